@@ -1,0 +1,121 @@
+"""`Config`: one validated dataclass for every knob smpart has.
+
+`smpart.init` accepts a `Config`, a dict, or the same fields as keyword arguments; all three go
+through `Config.from_any`, which names the bad key or value and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from smpart.errors import ConfigError
+
+PIPELINES = ("simple", "interleaved")
+TRACE_DEVICES = ("meta", "real")
+
+
+@dataclass
+class Config:
+    #: Number of pipeline stages the model is cut into.
+    pipeline_parallel_degree: int = 1
+    #: Micro-batches each step's batch is split into.
+    microbatches: int = 1
+    #: "simple": all forwards, then all backwards (GPipe). "interleaved": a stage prefers ready
+    #: backward work (1F1B-like), keeping few micro-batches' activations alive.
+    pipeline: str = "interleaved"
+    #: Cap on micro-batches in flight at once (None: the schedule's own bound).
+    active_microbatches: int | None = None
+    tensor_parallel_degree: int = 1
+    data_parallel_degree: int = 1
+    #: Weight of memory against compute in each module's cost (0: compute only, 1: memory only).
+    memory_weight: float = 0.8
+    #: Device of each stage, e.g. ["cuda:0", "cuda:1"] or ["cpu", "cpu"]; None: one CUDA device
+    #: per stage when there are enough, else CPU.
+    devices: list[str] | None = None
+    #: Trace on the "meta" device (no weights touched) or on the "real" devices (measures time).
+    trace_device: str = "meta"
+    #: Module name -> stage, fixed before the automatic partition runs.
+    pin: dict[str, int] = field(default_factory=dict)
+    #: Average gradients over micro-batches (True, as SMP) or sum them.
+    average_grads_across_microbatches: bool = True
+    #: Bytes held per parameter byte while training (weights, grads, optimizer state).
+    param_memory_factor: float = 4.0
+    #: Seconds any wait inside a step may take before it is reported as a hang.
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_any(cls, config: Config | dict[str, Any] | None = None, **kwargs: Any) -> Config:
+        if isinstance(config, Config):
+            base = dataclasses.asdict(config)
+        elif config is None:
+            base = {}
+        elif isinstance(config, dict):
+            base = dict(config)
+        else:
+            raise ConfigError(
+                f"smpart.init takes a Config, a dict or keyword arguments, not {type(config).__name__}"
+            )
+        base.update(kwargs)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(base) - known)
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {unknown}; known keys: {sorted(known)}")
+        return cls(**base)
+
+    def replace(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        for name in (
+            "pipeline_parallel_degree",
+            "microbatches",
+            "tensor_parallel_degree",
+            "data_parallel_degree",
+        ):
+            _positive_int(name, getattr(self, name))
+        if self.active_microbatches is not None:
+            _positive_int("active_microbatches", self.active_microbatches)
+        if self.pipeline not in PIPELINES:
+            raise ConfigError(f"pipeline must be one of {PIPELINES}, got {self.pipeline!r}")
+        if self.trace_device not in TRACE_DEVICES:
+            raise ConfigError(f"trace_device must be one of {TRACE_DEVICES}, got {self.trace_device!r}")
+        if isinstance(self.memory_weight, bool) or not isinstance(self.memory_weight, int | float):
+            raise ConfigError(f"memory_weight must be a number in [0, 1], got {self.memory_weight!r}")
+        if not 0.0 <= float(self.memory_weight) <= 1.0:
+            raise ConfigError(f"memory_weight must be in [0, 1], got {self.memory_weight}")
+        if self.devices is not None:
+            devices = self.devices
+            if not isinstance(devices, list | tuple) or not all(isinstance(d, str) for d in devices):
+                raise ConfigError(f"devices must be a list of device strings, got {self.devices!r}")
+            if len(self.devices) < self.pipeline_parallel_degree:
+                raise ConfigError(
+                    f"{self.pipeline_parallel_degree} pipeline stages need {self.pipeline_parallel_degree} "
+                    f"devices, but devices lists {len(self.devices)}: {list(self.devices)}"
+                )
+        if not isinstance(self.pin, dict):
+            raise ConfigError(f"pin must be a dict of module name -> stage, got {type(self.pin).__name__}")
+        for module, stage in self.pin.items():
+            if not isinstance(stage, int) or not 0 <= stage < self.pipeline_parallel_degree:
+                raise ConfigError(
+                    f"pin {module!r} -> {stage!r}: stage must be an int in "
+                    f"0..{self.pipeline_parallel_degree - 1}"
+                )
+        if self.param_memory_factor <= 0:
+            raise ConfigError(f"param_memory_factor must be > 0, got {self.param_memory_factor}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")

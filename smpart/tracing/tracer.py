@@ -1,0 +1,286 @@
+"""`trace`: run a model once on an example batch and return its costed `ModuleTree`.
+
+The pass runs on the **meta device** by default: every parameter and buffer is swapped, for the
+duration of the pass, for a meta tensor of the same shape, so a model
+of any size is traced without allocating or copying a single weight (a model already built on
+meta runs as is). Shapes, FLOPs (``torch.utils.flop_counter.FlopCounterMode``) and activation
+sizes are exact on meta; only values are missing. A model whose Python code looks at values (a
+mixture-of-experts router asking which experts got tokens) fails there, and is then traced on
+its own device with its own weights, used in place, and a warning says so.
+
+``measure_time=True`` on a real device adds a timed pass: each module's forward self time is
+measured with the same hooks, and the measured backward of the whole model is shared out in
+proportion (autograd runs backward as one graph, not module by module).
+
+The hook bookkeeping lives in `smpart.tracing.recorder`, the turning of modules into nodes
+(shared parameters, names, order) in `smpart.tracing.grouping`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from smpart.errors import ConfigError, TraceError
+from smpart.tracing.grouping import ModuleInventory, build_edges, build_nodes
+from smpart.tracing.recorder import CallRecorder, nbytes, tensors_in
+from smpart.tracing.tree import DEFAULT_PARAM_MEMORY_FACTOR, ModuleTree
+
+META = torch.device("meta")
+
+
+def trace(
+    model: nn.Module,
+    example_args: Any,
+    example_kwargs: dict[str, Any] | None = None,
+    device: str | torch.device | None = "meta",
+    *,
+    measure_time: bool = False,
+    param_memory_factor: float = DEFAULT_PARAM_MEMORY_FACTOR,
+) -> ModuleTree:
+    """Trace ``model(*example_args, **example_kwargs)`` and return its costed module tree.
+
+    ``example_args`` is a tuple of positional inputs (anything else is the single input).
+    ``device``: ``"meta"`` (no weight allocated or copied), ``None`` for the model's own device,
+    or a device to run on (weights are copied there if they live elsewhere). The model itself is
+    left untouched: no gradients, no BatchNorm statistics updated.
+
+    Raises `TraceError` naming the module that failed when the example inputs do not fit.
+    """
+    args, kwargs = _check_arguments(model, example_args, example_kwargs, param_memory_factor)
+    inventory = ModuleInventory.of(model)
+    home = _home_device(model)
+    target = _as_device(device) if device is not None else home
+    try:
+        recorder, ran_on = _record_flops(model, inventory, args, kwargs, target, home)
+        seconds = None
+        if measure_time and ran_on.type == "meta":
+            warnings.warn(
+                "measure_time needs a real device; the trace ran on meta, so compute is counted "
+                "in FLOPs (pass device=None to time the model where it lives)",
+                stacklevel=2,
+            )
+        elif measure_time:
+            seconds = _measure_seconds(model, inventory, args, kwargs, ran_on, home)
+    except _ForwardFailed as failure:
+        raise TraceError(failure.describe()) from failure.error
+    root, node_name = build_nodes(inventory, recorder.stats, seconds)
+    return ModuleTree(
+        root=root,
+        edges=build_edges(recorder.edges, node_name),
+        param_memory_factor=param_memory_factor,
+        compute_unit="time" if seconds is not None else "flops",
+        input_bytes=sum(nbytes(t) for t in tensors_in((args, kwargs))),
+    )
+
+
+# ==================================================================== the passes
+class _ForwardFailed(Exception):
+    """The model's forward raised inside ``module`` (its name) while tracing on ``device``."""
+
+    def __init__(self, module: str | None, class_name: str, error: BaseException, device: torch.device):
+        super().__init__(module)
+        self.module, self.class_name, self.error, self.device = module, class_name, error, device
+
+    def where(self) -> str:
+        if self.module:
+            return f"module {self.module!r} ({self.class_name})"
+        return f"the root module ({self.class_name})"
+
+    def describe(self) -> str:
+        return (f"the model failed on the example inputs in {self.where()} on {self.device}: "
+                f"{type(self.error).__name__}: {self.error}. Check that the example inputs are what "
+                "this module expects (count, shapes, dtypes, devices).")
+
+
+def _record_flops(model, inventory, args, kwargs, target, home) -> tuple[CallRecorder, torch.device]:
+    """The FLOP-counting pass on ``target``; from meta, falls back to the model's own device."""
+    try:
+        return _forward(model, inventory, args, kwargs, target, home, count_flops=True)[0], target
+    except _ForwardFailed as failure:
+        if target.type != "meta":
+            raise
+        if home.type == "meta":
+            raise TraceError(
+                f"{failure.describe()} The model's weights are on the meta device, so it cannot be "
+                "traced anywhere else: if its forward looks at tensor values (data-dependent control "
+                "flow), build it on a real device."
+            ) from failure.error
+        meta_failure = failure
+    recorder = _forward(model, inventory, args, kwargs, home, home, count_flops=True)[0]
+    warnings.warn(
+        f"{type(model).__name__} could not be traced on the meta device ({meta_failure.where()}: "
+        f"{type(meta_failure.error).__name__}), probably because its forward looks at tensor values; "
+        f"traced it on {home} with its own weights instead (nothing was copied)",
+        stacklevel=3,
+    )
+    return recorder, home
+
+
+def _forward(model, inventory, args, kwargs, device, home, *, count_flops=False, clock=time.perf_counter,
+             grad=False) -> tuple[CallRecorder, Any, list[torch.Tensor]]:
+    """One hooked forward on ``device``: the recorder, the output and the parameters that ran."""
+    try:
+        args, kwargs = _to_device((args, kwargs), device)
+    except RuntimeError as err:
+        raise TraceError(f"cannot move the example inputs to {device}: {err}") from err
+    counter = FlopCounterMode(display=False) if count_flops else None
+    recorder = CallRecorder(
+        inventory.modules,
+        inventory.names,
+        example_inputs=tensors_in((args, kwargs)),
+        total_flops=counter.get_total_flops if counter else _zero,
+        clock=clock,
+    )
+    param_swap, buffer_swap = _substitutes(device, home)
+    with _swapped_weights(inventory.modules, param_swap, buffer_swap), recorder, \
+            counter or contextlib.nullcontext(), torch.set_grad_enabled(grad):
+        try:
+            output = model(*args, **kwargs)
+        except Exception as err:
+            culprit = recorder.running_module()
+            name = recorder.name_of(culprit) if culprit is not None else None
+            module = inventory.modules[culprit] if culprit is not None else model
+            raise _ForwardFailed(name, type(module).__name__, err, device) from err
+        ran = list(model.parameters())  # the substitutes, while they are swapped in
+    return recorder, output, ran
+
+
+def _measure_seconds(model, inventory, args, kwargs, device, home) -> list[float]:
+    """Per module: measured forward self seconds, plus its share of the measured backward."""
+    clock = _clock_for(device)
+    _forward(model, inventory, args, kwargs, device, home)  # warm-up: first calls are slow
+    start = clock()
+    recorder, output, params = _forward(model, inventory, args, kwargs, device, home, clock=clock, grad=True)
+    forward_s = clock() - start
+    outputs = [t for t in tensors_in(output) if t.requires_grad]
+    weights = [p for p in params if p.requires_grad]
+    backward_s = 0.0
+    if outputs and weights:
+        start = clock()
+        loss = sum(t.float().sum() for t in outputs)
+        torch.autograd.grad(loss, weights, allow_unused=True)
+        backward_s = clock() - start
+    scale = 1.0 + backward_s / forward_s if forward_s > 0 else 1.0
+    return [stats.seconds * scale for stats in recorder.stats]
+
+
+# ==================================================================== weights and devices
+Swap = Callable[[torch.Tensor], torch.Tensor] | None
+
+
+def _substitutes(device: torch.device, home: torch.device) -> tuple[Swap, Swap]:
+    """How to stand in for parameters and buffers on ``device`` (None: use them as they are).
+
+    Meta: a meta tensor of the same shape for each (nothing allocated, nothing copied). The
+    model's own device: the parameters in place and *copies* of the buffers, so BatchNorm's
+    running statistics stay as they were. Elsewhere: copies of everything on ``device``.
+    """
+    if device.type == "meta":
+        if home.type == "meta":
+            return None, None
+        return (lambda p: nn.Parameter(torch.empty_like(p, device=META), p.requires_grad),
+                lambda b: torch.empty_like(b, device=META))
+    if _same_device(device, home):
+        return None, torch.clone
+    return (lambda p: nn.Parameter(p.detach().to(device), p.requires_grad),
+            lambda b: b.to(device))
+
+
+@contextlib.contextmanager
+def _swapped_weights(
+    modules: list[nn.Module], params: Swap, buffers: Swap
+) -> Iterator[dict[int, torch.Tensor]]:
+    """Temporarily replace each module's own parameters and buffers by substitutes.
+
+    Works on each module object's own tables, so a tensor shared by several modules gets one
+    substitute (ties survive) and a module registered under several names is swapped and
+    restored exactly once. (``torch.func.functional_call`` restores such aliased modules with
+    the substitute, corrupting the model.) Yields ``{id(original): substitute}``.
+    """
+    made: dict[int, torch.Tensor] = {}
+    saved: list[tuple[dict, str, torch.Tensor]] = []
+    try:
+        for module in modules:
+            for table, make in ((module._parameters, params), (module._buffers, buffers)):
+                if make is None:
+                    continue
+                for name, tensor in table.items():
+                    if tensor is not None:
+                        if id(tensor) not in made:
+                            made[id(tensor)] = make(tensor)
+                        saved.append((table, name, tensor))
+                        table[name] = made[id(tensor)]
+        yield made
+    finally:
+        for table, name, tensor in reversed(saved):
+            table[name] = tensor
+
+
+def _named_tensors(model: nn.Module):
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def _home_device(model: nn.Module) -> torch.device:
+    """Where the model lives: meta if any weight is on meta, else its first weight's device."""
+    devices = [t.device for _, t in _named_tensors(model)]
+    if any(d.type == "meta" for d in devices):
+        return META
+    return devices[0] if devices else torch.device("cpu")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _clock_for(device: torch.device) -> Callable[[], float]:
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return clock
+
+
+def _zero() -> float:
+    return 0.0
+
+
+# ==================================================================== argument checks
+def _check_arguments(model, example_args, example_kwargs, param_memory_factor) -> tuple[tuple, dict]:
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"trace() needs an nn.Module, got {type(model).__name__}")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise TraceError(
+            f"example_kwargs must be a dict of keyword inputs, got {type(example_kwargs).__name__}"
+        )
+    if not param_memory_factor >= 0:
+        raise ConfigError(f"param_memory_factor must be >= 0 (4 = weights, grads, two Adam moments), "
+                          f"got {param_memory_factor}")
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    return args, dict(example_kwargs or {})
+
+
+def _as_device(device: str | torch.device) -> torch.device:
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise TraceError(f"unknown trace device {device!r}: use 'meta', 'cpu', 'cuda' or None") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TraceError(f"trace device {str(device)!r}: CUDA is not available here; use 'meta' or 'cpu'")
+    return device

@@ -1,0 +1,158 @@
+"""How close to perfect are smpart's stages? Slowest stage's compute over a lower bound.
+
+For each zoo model (traced on the meta device at a realistic size) and 2, 4 and 8 stages this
+prints ``max stage FLOPs / max(total / stages, heaviest single node)`` (1.00 is optimal; the
+bound counts every node, internal ones included) for:
+
+* **smpart**: ``smpart.partition(tree, stages, memory_weight=0)``;
+* **tree walk**: the paper's recursive walk alone (the candidate smpart compares against);
+* **uniform**: an equal number of layers per stage (DeepSpeed's ``partition_method="uniform"``);
+* **params**: layers cut so that parameter counts balance (DeepSpeed's ``"parameters"``);
+* **seconds**: how long ``smpart.partition`` took.
+
+"Layers" for the two baselines are what a DeepSpeed / Megatron user would list: the tree is
+opened along the path to its widest node (``transformer.h``, a ResNet stage's block list) and
+everything else stays whole, so a GPT becomes ``[wte, wpe, h.0, ..., h.N, ln_f]``.
+
+    .venv/bin/python bench/partition_quality.py
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from examples import models  # noqa: E402
+from smpart.partition.api import partition  # noqa: E402
+from smpart.partition.result import Partition  # noqa: E402
+from smpart.partition.segment import min_max_segments  # noqa: E402
+from smpart.tracing.tracer import trace  # noqa: E402
+from smpart.tracing.tree import ModuleNode, ModuleTree  # noqa: E402
+
+STAGES = (2, 4, 8)
+TRANSFORMERS = {"gpt2", "t5", "moe", "albert", "transgan"}
+
+#: Realistic shapes that still trace in seconds on meta (CPU-built ones are kept moderate).
+SIZES = {
+    "gpt2": dict(vocab_size=50257, seq_len=1024, n_layer=24, n_head=16, n_embd=1024, batch_size=1),
+    "t5": dict(vocab_size=32128, src_len=512, tgt_len=128, n_layer=12, n_head=8, n_embd=512, batch_size=1),
+    "moe": dict(vocab_size=32000, seq_len=512, n_layer=12, n_head=8, n_embd=512, n_experts=8, batch_size=2),
+    "resnet": dict(widths=(64, 128, 256, 512), blocks_per_stage=3, image_size=64, batch_size=8),
+    "transgan": dict(wide=1024, narrow=16, image_size=8, wide_heads=16, narrow_heads=1, batch_size=4),
+    "albert": dict(vocab_size=30000, seq_len=512, embedding_size=128, n_embd=768, n_head=12, n_repeat=12,
+                   batch_size=1),
+}
+
+#: Models whose forward looks at tensor values (MoE routing) are traced for real on the CPU.
+REAL_DEVICE = {"moe": "cpu"}
+
+
+def main() -> None:
+    console = Console()
+    table = Table(title="slowest stage compute / lower bound (1.00 = optimal), memory_weight=0")
+    for column in ("model", "nodes", "stages", "smpart", "tree walk", "uniform", "params", "seconds"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for name, factory in models.ZOO.items():
+        device = REAL_DEVICE.get(name, "meta")
+        example = factory(**SIZES.get(name, {}), device=device)
+        tree = trace(example.model, example.args, example.kwargs, device=None if device != "meta" else "meta")
+        layers = baseline_layers(tree)
+        for stages in STAGES:
+            start = time.perf_counter()
+            part = partition(tree, stages, memory_weight=0.0)
+            seconds = time.perf_counter() - start
+            bound = lower_bound(tree, stages)
+            walk = part.meta["candidates"]["tree"] * tree.total_compute() / bound
+            table.add_row(
+                name if stages == STAGES[0] else "",
+                str(len(tree)) if stages == STAGES[0] else "",
+                str(stages),
+                _ratio(max(part.stage_compute) / bound, name, stages),
+                f"{walk:.3f}",
+                _baseline(tree, layers, stages, bound, uniform_cuts),
+                _baseline(tree, layers, stages, bound, parameter_cuts),
+                f"{seconds:.3f}",
+            )
+        table.add_section()
+    console.print(table)
+    models_named = ", ".join(sorted(TRANSFORMERS))
+    console.print(f"goal: smpart <= 1.05 on the transformer models ({models_named}) at 4 stages")
+
+
+def lower_bound(tree: ModuleTree, stages: int) -> float:
+    """No cut beats an even share, nor splits a node: max(total / stages, heaviest node)."""
+    return max(tree.total_compute() / stages, max(tree.compute_of(n) for n in tree.nodes()))
+
+
+# ---------------------------------------------------------------- the DeepSpeed-style baselines
+
+
+def baseline_layers(tree: ModuleTree) -> list[ModuleNode]:
+    """The call-ordered 'layers' a user would list: the tree opened along the path to its widest node."""
+    widest = max(tree.nodes(), key=lambda n: len(n.children))
+    path = {id(n) for n in tree.nodes() if any(d is widest for d in n.walk())}
+    first = _first_calls(tree)
+
+    def open_up(node: ModuleNode) -> list[ModuleNode]:
+        out: list[ModuleNode] = []
+        for child in sorted(node.children, key=lambda c: first[c.name]):
+            out.extend(open_up(child) if id(child) in path and child.children else [child])
+        return out
+
+    return open_up(tree.root)
+
+
+def uniform_cuts(layers: list[ModuleNode], stages: int) -> list[int]:
+    """Stage of each layer: equal numbers of layers per stage."""
+    return [i * stages // len(layers) for i in range(len(layers))]
+
+
+def parameter_cuts(layers: list[ModuleNode], stages: int) -> list[int]:
+    """Stage of each layer: contiguous cuts balancing parameter counts."""
+    params = [float(sum(n.param_count for n in layer.walk())) for layer in layers]
+    return min_max_segments(params, stages).stage_of_items()
+
+
+def _baseline(tree: ModuleTree, layers: list[ModuleNode], stages: int, bound: float, cut) -> str:
+    if len(layers) < stages:
+        return "-"
+    layer_stage = cut(layers, stages)
+    node_stage: dict[str, int] = {}
+    for layer, stage in zip(layers, layer_stage, strict=True):
+        for node in layer.walk():
+            node_stage[node.name] = stage
+    for node in tree.nodes():  # containers on the opened path go with their first layer
+        node_stage.setdefault(node.name, _first_layer_stage(node, node_stage))
+    part = Partition(tree, node_stage, stages, 0.0)
+    return f"{max(part.stage_compute) / bound:.3f}"
+
+
+def _first_layer_stage(node: ModuleNode, node_stage: dict[str, int]) -> int:
+    placed = [node_stage[n.name] for n in node.walk() if n.name in node_stage]
+    return min(placed, default=0)
+
+
+def _first_calls(tree: ModuleTree) -> dict[str, float]:
+    first: dict[str, float] = {}
+    for node in reversed(list(tree.nodes())):
+        own = node.call_order if node.called and node.call_order is not None else float("inf")
+        first[node.name] = min([own] + [first[c.name] for c in node.children])
+    return first
+
+
+def _ratio(value: float, model: str, stages: int) -> str:
+    if model in TRANSFORMERS and stages == 4:
+        return f"[{'green' if value <= 1.05 else 'red'}]{value:.3f}[/]"
+    return f"{value:.3f}"
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

@@ -1,0 +1,224 @@
+"""Terminal views with rich: a module tree coloured by stage and a per-stage table.
+
+Every node line reads ``name Class [stage] compute% memory% params calls``: the name relative to
+its parent (as ``print(model)`` shows it), the shares those of the node's whole *subtree*. Two
+things keep a 1,000-module model readable:
+
+* in a run of same-class siblings (the 48 blocks of a transformer) only the first is expanded,
+  and a stretch of them on one stage shows its first and last member around a one-line summary,
+  so every cut between stages stays visible;
+* ``max_depth`` stops expanding below a depth and says how many modules are folded away.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
+
+from smpart.partition.result import Partition
+from smpart.tracing.tree import ModuleNode, ModuleTree
+
+STAGE_COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
+#: Runs of at least this many same-class siblings on one stage are collapsed.
+COLLAPSE_RUN = 4
+
+
+def stage_colour(stage: int | None) -> str:
+    return "white" if stage is None else STAGE_COLOURS[stage % len(STAGE_COLOURS)]
+
+
+def show_partition(part: Partition, console: Console | None = None, max_depth: int | None = None) -> None:
+    """Print the stage-coloured tree and the per-stage table of ``part``."""
+    (console or Console()).print(
+        Group(partition_tree_view(part, max_depth), stage_table(part), stage_summary(part))
+    )
+
+
+def show_tree(tree: ModuleTree, console: Console | None = None, max_depth: int | None = None) -> None:
+    """Print a costed `ModuleTree` (no stages yet), as ``smpart trace`` does."""
+    console = console or Console()
+    console.print(_TreeView(tree, None, max_depth).build())
+    console.print(
+        f"{len(tree)} nodes · {_count(sum(n.param_count for n in tree.nodes()))} parameters · "
+        f"{_amount(tree.total_compute())} {tree.compute_unit} · {_bytes(tree.total_memory())} training memory"
+    )
+
+
+def partition_tree_view(part: Partition, max_depth: int | None = None) -> Tree:
+    return _TreeView(part.tree, part, max_depth).build()
+
+
+def stage_table(part: Partition) -> Table:
+    """One row per stage: modules, compute share, memory, parameters, weighted cost."""
+    loads = part.stage_loads()
+    total_compute = sum(s.compute for s in loads) or 1.0
+    table = Table(title=f"{part.num_stages} stages, memory_weight={part.memory_weight:g}")
+    for column in ("stage", "modules", "compute", "memory", "params", "cost"):
+        table.add_column(column, justify="left" if column == "stage" else "right")
+    for stage, load in enumerate(loads):
+        table.add_row(
+            Text(f"stage {stage}", style=stage_colour(stage)),
+            str(len(part.modules_on(stage))),
+            f"{100 * load.compute / total_compute:.1f}%",
+            _bytes(load.memory),
+            _count(load.param_count),
+            f"{load.cost:.3f}",
+        )
+    return table
+
+
+def stage_summary(part: Partition) -> Text:
+    """One line: how uneven the stages are and how much activation crosses the cuts."""
+    return Text(
+        f"imbalance (max/mean): cost {part.imbalance:.3f} · compute {part.compute_imbalance:.3f} · "
+        f"memory {part.memory_imbalance:.3f} · {_bytes(part.cut_bytes())} of activations cross stages"
+    )
+
+
+@dataclass
+class _TreeView:
+    tree: ModuleTree
+    part: Partition | None
+    max_depth: int | None
+
+    def __post_init__(self) -> None:
+        # Subtree totals, children before parents.
+        self._compute: dict[str, float] = {}
+        self._memory: dict[str, float] = {}
+        #: Earliest call in each subtree: containers (ModuleList) are never called themselves.
+        self._first_call: dict[str, float] = {}
+        for node in reversed(list(self.tree.nodes())):
+            kids = node.children
+            own = node.call_order if node.called and node.call_order is not None else math.inf
+            self._first_call[node.name] = min([own] + [self._first_call[c.name] for c in kids])
+            self._compute[node.name] = self.tree.compute_of(node) + sum(self._compute[c.name] for c in kids)
+            self._memory[node.name] = self.tree.memory_of(node) + sum(self._memory[c.name] for c in kids)
+        #: (lowest, highest) stage anywhere in each subtree: shows cuts inside folded blocks.
+        self._span: dict[str, tuple[int, int]] = {}
+        if self.part is not None:
+            for node in reversed(list(self.tree.nodes())):
+                stages = [self.part.node_stage[node.name]]
+                for child in node.children:
+                    stages.extend(self._span[child.name])
+                self._span[node.name] = (min(stages), max(stages))
+
+    def build(self) -> Tree:
+        root = Tree(self._label(self.tree.root, ""), guide_style="dim")
+        stack = [(self.tree.root, root, 0)]
+        while stack:
+            node, branch, depth = stack.pop()
+            if self.max_depth is not None and depth >= self.max_depth and node.children:
+                hidden = sum(1 for _ in node.walk()) - 1
+                branch.add(Text(f"… {hidden} modules below", style="dim"))
+                continue
+            pending = []
+            in_call_order = sorted(node.children, key=lambda c: self._first_call[c.name])
+            for entry, expand in self._entries(in_call_order):
+                if isinstance(entry, Text):
+                    branch.add(entry)
+                    continue
+                child_branch = branch.add(self._label(entry, node.name))
+                if expand:
+                    pending.append((entry, child_branch, depth + 1))
+            stack.extend(reversed(pending))
+        return root
+
+    def _entries(self, children: list[ModuleNode]) -> Iterator[tuple[ModuleNode | Text, bool]]:
+        """``(child, expand it?)`` in call order; long runs of look-alike siblings are folded.
+
+        In a run (same class, with sub-modules: the blocks of a ModuleList) only the first is
+        expanded; the others get one line each, and a stretch of them on one stage shows only
+        its first and last around a summary line, so every cut between stages stays visible.
+        """
+        i = 0
+        while i < len(children):
+            j = i
+            while j + 1 < len(children) and _alike(children[i], children[j + 1]):
+                j += 1
+            run = children[i : j + 1]
+            i = j + 1
+            if len(run) < COLLAPSE_RUN:
+                yield from ((child, True) for child in run)
+                continue
+            yield run[0], True
+            for same_stage in self._by_stage(run[1:]):
+                if len(same_stage) < COLLAPSE_RUN:
+                    yield from ((child, False) for child in same_stage)
+                    continue
+                yield same_stage[0], False
+                yield self._summary(same_stage[1:-1]), False
+                yield same_stage[-1], False
+
+    def _by_stage(self, nodes: list[ModuleNode]) -> Iterator[list[ModuleNode]]:
+        group: list[ModuleNode] = []
+        for node in nodes:
+            if group and self._span.get(node.name) != self._span.get(group[0].name):
+                yield group
+                group = []
+            group.append(node)
+        if group:
+            yield group
+
+    def _summary(self, nodes: list[ModuleNode]) -> Text:
+        stage = self._stage(nodes[0])
+        where = "" if stage is None else f" on stage {stage}"
+        return Text(f"… {len(nodes)} more {nodes[0].class_name}{where}", style=f"dim {stage_colour(stage)}")
+
+    def _stage(self, node: ModuleNode) -> int | None:
+        return None if self.part is None else self.part.node_stage[node.name]
+
+    def _label(self, node: ModuleNode, parent_name: str) -> Text:
+        stage = self._stage(node)
+        colour = stage_colour(stage)
+        label = Text(_short_names(node, parent_name), style=f"bold {colour}")
+        label.append(f" {node.class_name}", style="dim")
+        if stage is not None:
+            low, high = self._span[node.name]
+            inside = f", parts on {low}–{high}" if low != high else ""
+            label.append(f"  [stage {stage}{inside}]", style=colour)
+        compute = self._compute[node.name] / (self._compute[self.tree.root.name] or 1.0)
+        memory = self._memory[node.name] / (self._memory[self.tree.root.name] or 1.0)
+        label.append(f"  {100 * compute:.1f}% compute  {100 * memory:.1f}% memory")
+        if node.param_count:
+            label.append(f"  {_count(node.param_count)} params", style="dim")
+        if self._first_call[node.name] == math.inf:
+            label.append("  never called", style="italic")
+        elif node.call_count > 1:
+            label.append(f"  ×{node.call_count} calls", style="italic")
+        return label
+
+
+def _alike(a: ModuleNode, b: ModuleNode) -> bool:
+    return a.class_name == b.class_name and bool(a.children) and bool(b.children)
+
+
+def _short_names(node: ModuleNode, parent_name: str) -> str:
+    """Names relative to the parent (``mlp`` under ``h.0``), full where a name lives elsewhere."""
+    if not node.name:
+        return "(model)"
+    prefix = f"{parent_name}." if parent_name else ""
+    return ", ".join(n[len(prefix) :] if prefix and n.startswith(prefix) else n for n in node.names)
+
+
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:g}"
+
+
+def _amount(x: float) -> str:
+    return _count(x) if x >= 1000 else f"{x:.3g}"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"

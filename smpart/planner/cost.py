@@ -1,0 +1,197 @@
+"""The cost model: time per iteration and memory per device of one parallel strategy.
+
+AMP's top-down decomposition, generalised to stages whose device groups differ:
+
+* **Layer, on a stage.** A stage holds ``dp`` replicas, each a tensor-parallel group of ``tp``
+  devices of one node. The stage's ``dp`` micro-batches (one per pipeline replica) are split
+  across replicas in proportion to their speed, as Metis does, so a mixed stage finishes them all
+  together: compute time = FLOPs × samples / Σ replica speed, where a replica's speed is ``tp`` ×
+  its slowest device × ``efficiency``. Tensor parallelism adds Megatron's four all-reduces of the
+  layer's output per layer (two forward, two backward), each ``2(tp−1)/tp · bytes / intra-node bw``.
+* **Pipeline.** ``(B − 1)·max_i t_i + Σ_i t_i + Σ_boundaries e_j`` for ``B`` micro-batches, where
+  ``e_j`` sends the activation forward and its gradient back over the boundary's slowest link.
+* **Data parallel.** Each stage ring-all-reduces its gradients (``2(n−1)/n · bytes / bw``, the
+  slowest link among the stage's nodes); the slowest stage sets the time, added once per step.
+* **Memory per device.** parameter state × ``bytes_per_param`` / tp + activations of the
+  micro-batches in flight (interleaved: ``pp − stage``; simple: all ``B``) / tp + buffers, against
+  ``memory_fraction`` of the device's memory.
+
+``bytes_per_param`` defaults to 16: fp16 weights and gradients (2 + 2) plus fp32 master weights
+and Adam's two moments (4 + 4 + 4), the mixed-precision Adam figure of ZeRO and Megatron. Pass
+``bytes_per_param=None`` to use the tree's own ``param_memory_factor`` × parameter bytes instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from smpart.errors import PlanError
+from smpart.planner.cluster import Cluster, Device
+from smpart.planner.layers import LayerSeq
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """Knobs of the cost model (defaults: mixed-precision Adam on GPUs)."""
+
+    #: Training-state bytes per parameter; None: the tree's param_memory_factor × param bytes.
+    bytes_per_param: float | None = 16.0
+    #: Bytes per parameter that data parallelism all-reduces (fp16 gradients).
+    grad_bytes_per_param: float = 2.0
+    #: Scale on the traced activation bytes (0.5: traced in fp32, trained in fp16).
+    activation_scale: float = 1.0
+    #: Fraction of peak FLOP/s a layer achieves.
+    efficiency: float = 0.4
+    #: Backward FLOPs as a multiple of forward FLOPs.
+    backward_factor: float = 2.0
+    #: Fraction of each device's memory a plan may use (the rest: CUDA context, fragmentation).
+    memory_fraction: float = 0.9
+    #: "interleaved" (1F1B-like: stage i holds pp − i micro-batches) or "simple" (holds all B).
+    pipeline: str = "interleaved"
+    #: Batch size the tree was traced with; costs scale linearly per sample.
+    trace_batch: int = 1
+    #: For a tree of measured times: FLOP/s of the device the times were taken on.
+    reference_flops: float | None = None
+
+
+@dataclass(frozen=True)
+class StageDevices:
+    """Devices of one pipeline stage: ``dp`` replicas, each a tensor-parallel group of one node."""
+
+    replicas: tuple[tuple[Device, ...], ...]
+
+    @property
+    def devices(self) -> list[Device]:
+        return [d for replica in self.replicas for d in replica]
+
+    @property
+    def nodes(self) -> list[int]:
+        return sorted({d.node for d in self.devices})
+
+    def replica_speeds(self, options: CostOptions) -> np.ndarray:
+        return np.array([len(r) * min(d.type.flops for d in r) * options.efficiency for r in self.replicas])
+
+    def describe(self) -> str:
+        counts: dict[str, int] = {}
+        for d in self.devices:
+            counts[d.type.name] = counts.get(d.type.name, 0) + 1
+        kinds = "+".join(f"{n}×{name}" for name, n in counts.items())
+        nodes = self.nodes
+        where = f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {nodes[0]}-{nodes[-1]}"
+        return f"{kinds} ({where})"
+
+
+@dataclass
+class StrategyCosts:
+    """Everything `assign_layers` needs for one strategy, plus what it needs after."""
+
+    layer_times: np.ndarray  # (k, L) seconds per micro-batch, fwd + bwd
+    cut_costs: np.ndarray  # (L-1, max(k-1, 1)) seconds per micro-batch, per boundary
+    #: (k, L): the largest fraction of any of the stage's device budgets the layer takes; a stage
+    #: fits when its layers sum to <= 1 (a sum of per-layer maxima: safe for mixed stages).
+    layer_memory: np.ndarray
+    #: Per stage, per replica: (bytes per device of each layer, that device's usable bytes).
+    replica_memory: list[list[tuple[np.ndarray, float]]]
+
+    def stage_memory(self, starts: tuple[int, ...]) -> list[tuple[float, float]]:
+        """(bytes, usable bytes) of the fullest device of each stage under this assignment."""
+        bounds = [*starts, self.layer_memory.shape[1]]
+        out = []
+        for j, replicas in enumerate(self.replica_memory):
+            used = [(row[bounds[j]:bounds[j + 1]].sum(), budget) for row, budget in replicas]
+            out.append(max(used, key=lambda ub: ub[0] / ub[1]))
+        return out
+
+
+class CostModel:
+    """Prices strategies for one model (`LayerSeq`) on one `Cluster`."""
+
+    def __init__(self, layers: LayerSeq, cluster: Cluster, options: CostOptions | None = None) -> None:
+        self.layers = layers
+        self.cluster = cluster
+        self.options = options or CostOptions()
+        opts = self.options
+        if opts.pipeline not in ("interleaved", "simple"):
+            raise PlanError(f"pipeline must be 'interleaved' or 'simple', got {opts.pipeline!r}")
+        per_sample = 1.0 / max(opts.trace_batch, 1)
+        if layers.tree.compute_unit == "time":
+            if opts.reference_flops is None:
+                raise PlanError("this tree holds measured times: pass reference_flops (FLOP/s of the "
+                                "device they were measured on) so they can be scaled to the cluster")
+            # measured fwd+bwd seconds -> equivalent fwd+bwd FLOPs
+            self.flops = layers.compute * opts.reference_flops * per_sample
+        else:
+            self.flops = layers.compute * (1 + opts.backward_factor) * per_sample
+        self.act = layers.activation_bytes * opts.activation_scale * per_sample
+        outputs = np.array([root.activation_bytes for root in layers.roots], dtype=float)
+        self.out = outputs * opts.activation_scale * per_sample
+        self.cut = layers.cut_bytes * opts.activation_scale * per_sample
+        if opts.bytes_per_param is None:
+            self.state = layers.param_bytes * layers.tree.param_memory_factor
+        else:
+            self.state = layers.param_count * opts.bytes_per_param
+        self.has_params = layers.param_count > 0
+
+    # ---------------------------------------------------------------- per strategy
+    def strategy(self, stages: list[StageDevices], tp: int, microbatch_size: int,
+                 microbatches: int) -> StrategyCosts:
+        k, num = len(stages), len(self.layers)
+        times = np.empty((k, num))
+        memory = np.empty((k, num))
+        replica_memory = []
+        for j, stage in enumerate(stages):
+            times[j] = self._layer_times(stage, tp, microbatch_size)
+            in_flight = microbatches if self.options.pipeline == "simple" else min(k - j, microbatches)
+            replicas = self._replica_memory(stage, tp, microbatch_size, in_flight)
+            memory[j] = np.max([row / budget for row, budget in replicas], axis=0)
+            replica_memory.append(replicas)
+        cuts = np.zeros((max(num - 1, 0), max(k - 1, 1)))
+        for j in range(k - 1):
+            cuts[:, j] = 2 * self.cut * microbatch_size / self._p2p_bandwidth(stages[j], stages[j + 1])
+        return StrategyCosts(times, cuts, memory, replica_memory)
+
+    def _shares(self, stage: StageDevices) -> np.ndarray:
+        """Fraction of the stage's samples each replica takes (proportional to its speed)."""
+        speeds = stage.replica_speeds(self.options)
+        return speeds / speeds.sum()
+
+    def _layer_times(self, stage: StageDevices, tp: int, microbatch_size: int) -> np.ndarray:
+        samples = microbatch_size * len(stage.replicas)
+        compute = self.flops * samples / stage.replica_speeds(self.options).sum()
+        if tp == 1:
+            return compute
+        bandwidth = min(self.cluster.bandwidth(r[0].node, r[0].node) for r in stage.replicas)
+        biggest = samples * self._shares(stage).max()
+        allreduce = 4 * 2 * (tp - 1) / tp * self.out * biggest / bandwidth
+        return compute + np.where(self.has_params, allreduce, 0.0)
+
+    def _replica_memory(self, stage: StageDevices, tp: int, microbatch_size: int,
+                        in_flight: int) -> list[tuple[np.ndarray, float]]:
+        """Per replica: bytes each layer takes on one of its devices, and that device's budget."""
+        samples = microbatch_size * len(stage.replicas)
+        out = []
+        for replica, share in zip(stage.replicas, self._shares(stage), strict=True):
+            budget = min(d.type.memory_bytes for d in replica) * self.options.memory_fraction
+            row = self.state / tp + self.layers.buffer_bytes + self.act * samples * share * in_flight / tp
+            out.append((row, budget))
+        return out
+
+    def _p2p_bandwidth(self, a: StageDevices, b: StageDevices) -> float:
+        pairs = zip(a.replicas, b.replicas, strict=True)
+        return min(self.cluster.bandwidth(ra[0].node, rb[0].node) for ra, rb in pairs)
+
+    def dp_sync_time(self, stages: list[StageDevices], starts: tuple[int, ...], tp: int) -> list[float]:
+        """Seconds each stage spends ring-all-reducing its gradients (0 without data parallelism)."""
+        bounds = [*starts, len(self.layers)]
+        out = []
+        for j, stage in enumerate(stages):
+            n = len(stage.replicas)
+            if n == 1:
+                out.append(0.0)
+                continue
+            params = self.layers.param_count[bounds[j]:bounds[j + 1]].sum()
+            nbytes = params * self.options.grad_bytes_per_param / tp
+            out.append(2 * (n - 1) / n * nbytes / self.cluster.slowest_link(stage.nodes))
+        return out

@@ -1,0 +1,176 @@
+"""From a `ModuleTree` to the planner's sequence of layers, and from layer stages back to a tree.
+
+The planner cuts a model into *contiguous runs of layers*. A layer here is a subtree of the
+module tree: starting at the root, any subtree holding more than ``max_share`` of the model's
+cost, and any container that is never called itself (a ``ModuleList``), is opened up and its
+children (in call order) take its place; everything else stays whole. A GPT thus becomes
+``wte, wpe, drop, h.0 … h.95, ln_f``: the blocks stay whole (each is well under 1/8 of the
+model), which is the granularity the cost model's per-layer tensor-parallel all-reduces assume.
+
+Costs of a layer are its subtree's sums. A parent that was opened keeps its own cost (its own
+parameters, the glue code between child calls) and lives with its first-called child, so that
+cost is charged to that child's layer. A cut after layer ``l`` costs the activation bytes of the
+tree's `DataEdge`s crossing that point (or, in a tree without edges, the layer's output).
+
+`LayerSeq.partition` maps a stage per layer back to a `Partition` of every node: a layer's whole
+subtree takes the layer's stage, an opened parent takes its first-called child's stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from smpart.partition.result import Partition
+from smpart.tracing.tree import INPUT, ModuleNode, ModuleTree
+
+#: A subtree above this share of the model's cost is opened into its children.
+DEFAULT_MAX_SHARE = 1 / 8
+
+
+@dataclass
+class LayerSeq:
+    """Per-layer costs, in call order, for the batch the tree was traced with."""
+
+    tree: ModuleTree
+    #: Root node of each layer's subtree.
+    roots: list[ModuleNode]
+    #: Forward compute per layer, in the tree's unit (FLOPs, or measured fwd+bwd seconds).
+    compute: np.ndarray
+    param_count: np.ndarray
+    param_bytes: np.ndarray
+    buffer_bytes: np.ndarray
+    #: Bytes of activations each layer keeps for its backward pass (all its modules' outputs).
+    activation_bytes: np.ndarray
+    #: cut_bytes[l]: activation bytes sent forward when the model is cut after layer l (L-1 values).
+    cut_bytes: np.ndarray
+    #: Opened parent (canonical name) -> index of the layer whose stage it follows.
+    parent_layer: dict[str, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.roots)
+
+    @property
+    def names(self) -> list[str]:
+        return [root.name for root in self.roots]
+
+    def partition(self, stage_of_layer: list[int], num_stages: int, memory_weight: float = 0.8,
+                  meta: dict | None = None) -> Partition:
+        """The `Partition` of the whole tree that runs layer ``l`` on ``stage_of_layer[l]``."""
+        node_stage: dict[str, int] = {}
+        for root, stage in zip(self.roots, stage_of_layer, strict=True):
+            for node in root.walk():
+                node_stage[node.name] = stage
+        for parent, layer in self.parent_layer.items():
+            node_stage[parent] = stage_of_layer[layer]
+        return Partition(self.tree, node_stage, num_stages, memory_weight, meta=meta)
+
+    def pins(self, stage_of_layer: list[int]) -> dict[str, int]:
+        """Module name -> stage for every layer root and opened parent (reproduces the partition)."""
+        pins = {root.name: stage for root, stage in zip(self.roots, stage_of_layer, strict=True)}
+        pins.update({parent: stage_of_layer[layer] for parent, layer in self.parent_layer.items()})
+        pins.pop("", None)
+        return pins
+
+
+def layer_sequence(tree: ModuleTree, max_share: float = DEFAULT_MAX_SHARE) -> LayerSeq:
+    """Split ``tree`` into call-ordered layers, opening subtrees above ``max_share`` of the cost."""
+    weight = _subtree_weights(tree)
+    total = weight[id(tree.root)] or 1.0
+    roots: list[ModuleNode] = []
+    opened: list[ModuleNode] = []
+    _open(tree.root, weight, total * max_share, roots, opened)
+    roots = _call_ordered(roots)
+    index = {id(r): i for i, r in enumerate(roots)}
+
+    compute = np.array([tree.total_compute(r) for r in roots], dtype=float)
+    params = np.array([sum(n.param_count for n in r.walk()) for r in roots], dtype=float)
+    param_bytes = np.array([sum(n.param_bytes for n in r.walk()) for r in roots], dtype=float)
+    buffers = np.array([sum(n.buffer_bytes for n in r.walk()) for r in roots], dtype=float)
+    activations = np.array([sum(n.activation_bytes for n in r.walk()) for r in roots], dtype=float)
+    parent_layer = {}
+    for parent in opened:
+        layer = index[id(_first_layer(parent, index))]
+        parent_layer[parent.name] = layer
+        compute[layer] += tree.compute_of(parent)
+        params[layer] += parent.param_count
+        param_bytes[layer] += parent.param_bytes
+        buffers[layer] += parent.buffer_bytes
+        activations[layer] += parent.activation_bytes
+    cuts = _cut_bytes(tree, roots, parent_layer)
+    return LayerSeq(tree, roots, compute, params, param_bytes, buffers, activations, cuts, parent_layer)
+
+
+# ---------------------------------------------------------------------------- helpers
+def _subtree_weights(tree: ModuleTree) -> dict[int, float]:
+    """Share-of-model weight of each subtree: normalised compute plus normalised memory."""
+    total_c = tree.total_compute() or 1.0
+    total_m = tree.total_memory() or 1.0
+    weight: dict[int, float] = {}
+
+    def visit(node: ModuleNode) -> float:
+        own = tree.compute_of(node) / total_c + tree.memory_of(node) / total_m
+        weight[id(node)] = own + sum(visit(child) for child in node.children)
+        return weight[id(node)]
+
+    visit(tree.root)
+    return weight
+
+
+def _open(node: ModuleNode, weight: dict[int, float], limit: float, roots: list[ModuleNode],
+          opened: list[ModuleNode], is_root: bool = True) -> None:
+    """Open the root (a one-layer model cannot be pipelined), every never-called container and
+    every subtree above ``limit``."""
+    if node.children and (is_root or node.call_count == 0 or weight[id(node)] > limit):
+        opened.append(node)
+        for child in node.children:
+            _open(child, weight, limit, roots, opened, is_root=False)
+    else:
+        roots.append(node)
+
+
+def _first_call(node: ModuleNode) -> float:
+    orders = [n.call_order for n in node.walk() if n.call_order is not None]
+    return min(orders) if orders else np.inf
+
+
+def _call_ordered(roots: list[ModuleNode]) -> list[ModuleNode]:
+    """Layers sorted by first call; a never-called subtree stays right after its tree-order neighbour."""
+    keyed = []
+    last = -np.inf
+    for position, root in enumerate(roots):
+        first = _first_call(root)
+        if np.isfinite(first):
+            last = first
+        keyed.append(((first if np.isfinite(first) else last), position, root))
+    return [root for _, _, root in sorted(keyed, key=lambda item: (item[0], item[1]))]
+
+
+def _first_layer(parent: ModuleNode, index: dict[int, int]) -> ModuleNode:
+    """The layer root below ``parent`` that is called first (an opened parent follows it)."""
+    below = [n for n in parent.walk() if id(n) in index]
+    return min(below, key=lambda n: index[id(n)])
+
+
+def _cut_bytes(tree: ModuleTree, roots: list[ModuleNode], parent_layer: dict[str, int]) -> np.ndarray:
+    """Bytes crossing each cut point, from the data edges (difference array over layer spans)."""
+    num = len(roots)
+    layer_of: dict[str, int] = dict(parent_layer)
+    for i, root in enumerate(roots):
+        for node in root.walk():
+            layer_of[node.name] = i
+    crossing = np.zeros(num + 1)
+    used = False
+    for edge in tree.edges:
+        dst = layer_of.get(edge.dst)
+        src = 0 if edge.src == INPUT else layer_of.get(edge.src)
+        if src is None or dst is None or src == dst:
+            continue
+        lo, hi = min(src, dst), max(src, dst)
+        crossing[lo] += edge.nbytes
+        crossing[hi] -= edge.nbytes
+        used = True
+    if not used:  # no data-flow edges: each layer hands its output to the next
+        return np.array([root.activation_bytes for root in roots[:-1]], dtype=float)
+    return np.cumsum(crossing)[: num - 1]

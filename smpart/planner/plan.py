@@ -1,0 +1,201 @@
+"""`Plan` (one priced strategy) and `Plans` (the ranked list `smpart.plan` returns)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from smpart.config import Config
+from smpart.errors import PlanError
+from smpart.partition.result import Partition
+from smpart.planner.cost import StageDevices
+from smpart.planner.layers import LayerSeq
+
+
+@dataclass
+class Plan:
+    """One strategy with its optimal stage boundaries, predicted time and memory."""
+
+    pp: int
+    tp: int
+    dp: int
+    microbatches: int
+    microbatch_size: int
+    stages: tuple[StageDevices, ...]
+    #: First layer of each stage (indices into `layer_names`).
+    starts: tuple[int, ...]
+    #: Predicted seconds per iteration: pipeline + data-parallel gradient all-reduce.
+    time_s: float
+    pipeline_s: float
+    dp_sync_s: float
+    #: Seconds per micro-batch (forward + backward) of each stage.
+    stage_times: tuple[float, ...]
+    #: Bytes on the fullest device of each stage, and that device's usable bytes.
+    stage_memory: tuple[tuple[float, float], ...]
+    layers: LayerSeq = field(repr=False)
+    memory_weight: float = 0.8
+    pipeline: str = "interleaved"
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def layer_names(self) -> list[str]:
+        return self.layers.names
+
+    @property
+    def stage_of_layer(self) -> list[int]:
+        bounds = [*self.starts, len(self.layers)]
+        return [j for j in range(self.pp) for _ in range(bounds[j], bounds[j + 1])]
+
+    @property
+    def memory_use(self) -> float:
+        """The fullest device's share of its usable memory (<= 1 for every plan proposed)."""
+        return max(used / budget for used, budget in self.stage_memory)
+
+    @cached_property
+    def partition(self) -> Partition:
+        """The model's `Partition` under this plan (the runtime runs it as is)."""
+        return self.layers.partition(self.stage_of_layer, self.pp, self.memory_weight,
+                                     meta={"made_by": "smpart.plan", "plan": self.summary()})
+
+    @property
+    def config(self) -> Config:
+        """A `Config` for `smpart.init` that reproduces this plan (pins fix every layer's stage)."""
+        return Config(
+            pipeline_parallel_degree=self.pp,
+            microbatches=self.microbatches,
+            pipeline=self.pipeline,
+            tensor_parallel_degree=self.tp,
+            data_parallel_degree=self.dp,
+            memory_weight=self.memory_weight,
+            pin=self.layers.pins(self.stage_of_layer) if self.pp > 1 else {},
+        )
+
+    def summary(self) -> str:
+        return (f"pp={self.pp} tp={self.tp} dp={self.dp} B={self.microbatches} "
+                f"mbs={self.microbatch_size}: {seconds(self.time_s)}/iter")
+
+    def to_dict(self) -> dict[str, Any]:
+        bounds = [*self.starts, len(self.layers)]
+        names = self.layer_names
+        return {
+            "pp": self.pp, "tp": self.tp, "dp": self.dp,
+            "microbatches": self.microbatches, "microbatch_size": self.microbatch_size,
+            "time_s": self.time_s, "pipeline_s": self.pipeline_s, "dp_sync_s": self.dp_sync_s,
+            "stages": [
+                {
+                    "devices": [d.rank for d in stage.devices],
+                    "device_types": sorted({d.type.name for d in stage.devices}),
+                    "first_layer": names[bounds[j]], "last_layer": names[bounds[j + 1] - 1],
+                    "num_layers": bounds[j + 1] - bounds[j],
+                    "time_s": self.stage_times[j],
+                    "memory_bytes": self.stage_memory[j][0],
+                    "memory_budget_bytes": self.stage_memory[j][1],
+                }
+                for j, stage in enumerate(self.stages)
+            ],
+            "config": self.config.to_dict(),
+        }
+
+
+@dataclass
+class Plans:
+    """Feasible plans, fastest first; ``baselines`` holds the best plan of each pp and tp seen."""
+
+    plans: list[Plan]
+    num_devices: int
+    searched: int
+    search_s: float
+    baselines: dict[str, Plan] = field(default_factory=dict)
+
+    @property
+    def best(self) -> Plan:
+        if not self.plans:
+            raise PlanError("no plan fits")
+        return self.plans[0]
+
+    def __iter__(self) -> Iterator[Plan]:
+        return iter(self.plans)
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+    def __getitem__(self, index: int) -> Plan:
+        return self.plans[index]
+
+    def reasons(self) -> list[str]:
+        """Why the best plan wins, in words."""
+        best = self.best
+        out = []
+        for label, key in (("pp=1", "pp=1"), ("tp=1", "tp=1"), ("dp=1", "dp=1")):
+            other = self.baselines.get(key)
+            if other is not None and other is not best and other.time_s > best.time_s:
+                out.append(f"{other.time_s / best.time_s:.2f}× faster than the best {label} plan "
+                           f"({other.summary()})")
+        if len(self.plans) > 1:
+            second = self.plans[1]
+            out.append(f"{(second.time_s / best.time_s - 1) * 100:.1f}% ahead of the runner-up "
+                       f"({second.summary()})")
+        out.append(f"all stages fit (fullest device at {best.memory_use:.0%} of its usable memory)")
+        bubble = (best.pp - 1) / (best.microbatches + best.pp - 1)
+        out.append(f"{best.microbatches} micro-batches keep the pipeline bubble near {bubble:.0%}")
+        return out
+
+    def show(self, top: int = 10, console: Any = None) -> None:
+        """Print the top plans as a rich table, and the reasons the best one wins."""
+        from rich.console import Console
+        from rich.table import Table
+
+        console = console or Console()
+        table = Table(title=f"smpart plans: {self.num_devices} devices, {self.searched} strategies "
+                            f"priced in {self.search_s:.2f} s")
+        for column in ("#", "pp", "tp", "dp", "B", "mbs", "s/iter", "pipe", "dp sync", "memory",
+                       "layers per stage"):
+            table.add_column(column, justify="left" if column == "layers per stage" else "right")
+        for rank, plan in enumerate(self.plans[:top], 1):
+            table.add_row(str(rank), str(plan.pp), str(plan.tp), str(plan.dp), str(plan.microbatches),
+                          str(plan.microbatch_size), seconds(plan.time_s), seconds(plan.pipeline_s),
+                          seconds(plan.dp_sync_s), f"{plan.memory_use:.0%}", _layer_counts(plan),
+                          style="bold green" if rank == 1 else None)
+        console.print(table)
+        if self.plans:
+            best = self.best
+            console.print("[bold]Best plan's stages:[/bold] " + "; ".join(
+                f"{j}: {stage.describe()}" for j, stage in enumerate(best.stages[:8]))
+                + (f"; … {best.pp - 8} more" if best.pp > 8 else ""))
+            console.print("[bold]Why the best plan wins:[/bold]")
+            for reason in self.reasons():
+                console.print(f"  • {reason}")
+
+    def to_dict(self, top: int | None = None) -> dict[str, Any]:
+        return {
+            "format": "smpart.plans/1",
+            "num_devices": self.num_devices,
+            "searched": self.searched,
+            "search_s": self.search_s,
+            "plans": [p.to_dict() for p in self.plans[:top]],
+            "reasons": self.reasons() if self.plans else [],
+        }
+
+    def to_json(self, top: int | None = None) -> str:
+        return json.dumps(self.to_dict(top), indent=2)
+
+
+def _layer_counts(plan: Plan, shown: int = 8) -> str:
+    bounds = [*plan.starts, len(plan.layers)]
+    counts = [str(bounds[j + 1] - bounds[j]) for j in range(plan.pp)]
+    if len(counts) > shown:
+        counts = counts[:shown] + [f"…(+{len(counts) - shown})"]
+    return "·".join(counts)
+
+
+def seconds(value: float) -> str:
+    """A duration with a unit people read at a glance: 1.23 s, 45.6 ms, 789 µs."""
+    if value == 0:
+        return "0"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if value >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value * 1e9:.3g} ns"

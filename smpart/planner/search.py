@@ -1,0 +1,169 @@
+"""`plan`: price every strategy of the space and rank the ones that fit.
+
+For each strategy (pp, tp, dp, micro-batches, device placement) the cost model turns the layers
+into per-stage time rows, per-boundary cut costs and per-stage memory rows, and `assign_layers`
+finds the exact best contiguous stage boundaries under the memory caps. The data-parallel
+all-reduce is added afterwards (it depends on the boundaries only through each stage's parameter
+count, and AMP adds it the same way).
+
+Strategies are priced in order of a cheap lower bound — every layer at its fastest stage, the
+bottleneck at least the average — and a strategy whose bound cannot enter the top ``top`` (nor
+beat the best plan of its own pp=1 / tp=1 / dp=1 baseline) is skipped without solving.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from smpart.errors import PlanError
+from smpart.planner.assign import assign_layers
+from smpart.planner.cluster import GIB, Cluster
+from smpart.planner.cost import CostModel, CostOptions, StrategyCosts
+from smpart.planner.layers import DEFAULT_MAX_SHARE, layer_sequence
+from smpart.planner.plan import Plan, Plans
+from smpart.planner.strategies import Strategy, enumerate_strategies
+from smpart.tracing.tree import ModuleTree
+
+
+def plan(
+    tree: ModuleTree,
+    cluster: Cluster,
+    global_batch: int,
+    *,
+    top: int = 10,
+    memory_weight: float = 0.8,
+    max_share: float = DEFAULT_MAX_SHARE,
+    tp_degrees: list[int] | None = None,
+    max_microbatches: int | None = None,
+    options: CostOptions | None = None,
+    **cost_options: object,
+) -> Plans:
+    """Rank the parallel strategies of ``tree`` on ``cluster`` for ``global_batch`` samples per step.
+
+    ``cost_options`` are `CostOptions` fields (``trace_batch``, ``bytes_per_param``,
+    ``efficiency``, ``pipeline``, ...). Raises `PlanError` when no strategy fits in memory, naming
+    the stage that overflows least badly and by how much.
+    """
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise PlanError(f"global_batch must be an int >= 1, got {global_batch!r}")
+    if top < 1:
+        raise PlanError(f"top must be >= 1, got {top}")
+    options = _options(options, cost_options)
+    started = time.perf_counter()
+    layers = layer_sequence(tree, max_share)
+    model = CostModel(layers, cluster, options)
+    candidates = []
+    for strategy in enumerate_strategies(cluster, len(layers), global_batch, tp_degrees=tp_degrees,
+                                         max_microbatches=max_microbatches):
+        costs = model.strategy(list(strategy.stages), strategy.tp, strategy.microbatch_size,
+                               strategy.microbatches)
+        candidates.append((_lower_bound(costs, strategy.microbatches), strategy, costs))
+    if not candidates:
+        raise PlanError(f"no strategy splits {cluster.num_devices} devices for a global batch of "
+                        f"{global_batch}: it must be divisible by some data-parallel degree")
+    candidates.sort(key=lambda item: item[0])
+
+    ranking = _Ranking(top)
+    infeasible: list[tuple[Strategy, StrategyCosts]] = []
+    for bound, strategy, costs in candidates:
+        if not ranking.worth_pricing(bound, strategy):
+            continue
+        try:
+            assignment = assign_layers(costs.layer_times, strategy.pp, strategy.microbatches,
+                                       cut_costs=costs.cut_costs, layer_memory=costs.layer_memory,
+                                       stage_memory=1.0)
+        except PlanError:
+            infeasible.append((strategy, costs))
+            continue
+        sync = max(model.dp_sync_time(list(strategy.stages), assignment.starts, strategy.tp))
+        ranking.add(Plan(
+            strategy.pp, strategy.tp, strategy.dp, strategy.microbatches, strategy.microbatch_size,
+            strategy.stages, assignment.starts, assignment.objective + sync, assignment.objective, sync,
+            assignment.stage_times, tuple(costs.stage_memory(assignment.starts)), layers,
+            memory_weight, options.pipeline,
+        ))
+    if not ranking.plans:
+        raise _nothing_fits(infeasible, cluster)
+    return Plans(ranking.ranked(), cluster.num_devices, len(candidates), time.perf_counter() - started,
+                 ranking.baselines)
+
+
+def _options(options: CostOptions | None, overrides: dict[str, object]) -> CostOptions:
+    known = {f.name for f in fields(CostOptions)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise PlanError(f"unknown plan option(s) {unknown}; cost options are {sorted(known)}")
+    base = options or CostOptions()
+    return CostOptions(**{**{f.name: getattr(base, f.name) for f in fields(CostOptions)}, **overrides})
+
+
+def _lower_bound(costs: StrategyCosts, microbatches: int) -> float:
+    fastest = costs.layer_times.min(axis=0)
+    bottleneck = max(fastest.max(), fastest.sum() / costs.layer_times.shape[0])
+    return (microbatches - 1) * bottleneck + fastest.sum()
+
+
+@dataclass
+class _Ranking:
+    """The ``top`` fastest plans so far, plus the best plan of each baseline family."""
+
+    top: int
+
+    def __post_init__(self) -> None:
+        self.heap: list[tuple[float, int, Plan]] = []  # max-heap by time (negated)
+        self.baselines: dict[str, Plan] = {}
+        self.count = 0
+
+    @staticmethod
+    def families(pp: int, tp: int, dp: int) -> list[str]:
+        return [name for name, ok in (("pp=1", pp == 1), ("tp=1", tp == 1), ("dp=1", dp == 1)) if ok]
+
+    def worth_pricing(self, bound: float, strategy: Strategy) -> bool:
+        if len(self.heap) < self.top or bound < -self.heap[0][0]:
+            return True
+        return any(family not in self.baselines or bound < self.baselines[family].time_s
+                   for family in self.families(strategy.pp, strategy.tp, strategy.dp))
+
+    def add(self, plan: Plan) -> None:
+        for family in self.families(plan.pp, plan.tp, plan.dp):
+            if family not in self.baselines or plan.time_s < self.baselines[family].time_s:
+                self.baselines[family] = plan
+        self.count += 1
+        item = (-plan.time_s, -self.count, plan)
+        if len(self.heap) < self.top:
+            heapq.heappush(self.heap, item)
+        elif plan.time_s < -self.heap[0][0]:
+            heapq.heapreplace(self.heap, item)
+
+    @property
+    def plans(self) -> list[Plan]:
+        return [item[2] for item in self.heap]
+
+    def ranked(self) -> list[Plan]:
+        return [item[2] for item in sorted(self.heap, key=lambda item: (-item[0], -item[1]))]
+
+
+def _nothing_fits(infeasible: list[tuple[Strategy, StrategyCosts]], cluster: Cluster) -> PlanError:
+    """Say which stage of the least-overflowing strategy would overflow, and by how much."""
+    worst_best = None
+    for strategy, costs in infeasible:
+        assignment = assign_layers(costs.layer_times, strategy.pp, strategy.microbatches,
+                                   cut_costs=costs.cut_costs)
+        memory = costs.stage_memory(assignment.starts)
+        ratios = [used / budget for used, budget in memory]
+        stage = int(np.argmax(ratios))
+        if worst_best is None or ratios[stage] < worst_best[0]:
+            worst_best = (ratios[stage], strategy, stage, memory[stage])
+    ratio, strategy, stage, (used, budget) = worst_best
+    where = strategy.stages[stage].describe()
+    return PlanError(
+        f"no plan fits in memory on {cluster.describe()}. The closest, pp={strategy.pp} tp={strategy.tp} "
+        f"dp={strategy.dp} with {strategy.microbatches} micro-batches of {strategy.microbatch_size}, "
+        f"still overflows stage {stage} ({where}): it needs {used / GIB:.3g} GiB per device, "
+        f"{(used - budget) / GIB:.3g} GiB over its usable {budget / GIB:.3g} GiB ({ratio:.0%}). "
+        "Add devices, use devices with more memory, or lower bytes_per_param / the batch size."
+    )

@@ -1,0 +1,268 @@
+"""The planner: clusters, layers ↔ partitions, the cost model's guarantees and the search."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from smpart.config import Config
+from smpart.errors import ConfigError, PlanError
+from smpart.planner import Cluster, CostOptions, Node, StageDevices, assign_layers, device_type, plan
+from smpart.planner.cluster import GBPS, GIB, DeviceType
+from smpart.planner.cost import CostModel
+from smpart.planner.layers import layer_sequence
+from smpart.tracing.tree import DataEdge, ModuleTree
+
+
+def gpt_tree(n_layer: int = 8, hidden: int = 1024, seq: int = 1024, vocab: int = 50257) -> ModuleTree:
+    """A GPT-shaped tree of plain numbers, costs for one sample (Megatron's formulas)."""
+    block_params = 12 * hidden * hidden
+    blocks = [
+        {"name": f"h.{i}", "class_name": "Block", "param_count": block_params,
+         "param_bytes": 4 * block_params, "activation_bytes": 2 * seq * hidden,
+         "flops": 24 * seq * hidden * hidden + 4 * seq * seq * hidden,
+         "children": [{"name": f"h.{i}.mlp", "activation_bytes": 16 * seq * hidden}]}
+        for i in range(n_layer)
+    ]
+    spec = {"name": "", "children": [
+        {"name": "wte", "param_count": vocab * hidden, "param_bytes": 4 * vocab * hidden,
+         "activation_bytes": 2 * seq * hidden, "flops": 2 * seq * hidden * vocab},
+        {"name": "h", "class_name": "ModuleList", "call_count": 0, "children": blocks},
+        {"name": "ln_f", "param_count": 2 * hidden, "param_bytes": 8 * hidden,
+         "activation_bytes": 2 * seq * hidden, "flops": 5 * seq * hidden},
+    ]}
+    names = ["wte", *[f"h.{i}" for i in range(n_layer)], "ln_f"]
+    edges = [DataEdge(a, b, 2 * seq * hidden) for a, b in zip(names, names[1:], strict=False)]
+    return ModuleTree.from_spec(spec, edges=edges)
+
+
+def uniform_tree(n_layer: int, flops: float = 1e12, params: int = 1_000_000) -> ModuleTree:
+    spec = {"name": "", "children": [
+        {"name": f"layer{i}", "flops": flops, "param_count": params, "param_bytes": 4 * params,
+         "activation_bytes": 1 << 20} for i in range(n_layer)]}
+    return ModuleTree.from_spec(spec)
+
+
+# ---------------------------------------------------------------------------- cluster
+CLUSTER_TOML = """
+inter_node_gbps = 10
+[device.Fast]
+tflops = 200
+memory_gib = 40
+[[node]]
+device = "A100-80"
+count = 1
+intra_node_gbps = 600
+[[node]]
+device = "v100"
+count = 2
+[[node]]
+device = "Fast"
+count = 4
+intra_node_gbps = 300
+[[link]]
+nodes = [0, 2]
+gbps = 25
+"""
+
+
+def test_cluster_from_toml(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(CLUSTER_TOML)
+    cluster = Cluster.from_toml(path)
+    assert [n.count for n in cluster.nodes] == [1, 2, 4] and cluster.num_devices == 7
+    assert cluster.nodes[1].device == device_type("V100")
+    assert cluster.nodes[2].device == DeviceType("Fast", 200.0, 40 * GIB)
+    assert cluster.bandwidth(0, 2) == cluster.bandwidth(2, 0) == 25 * GBPS
+    assert cluster.bandwidth(0, 1) == 10 * GBPS and cluster.bandwidth(2, 2) == 300 * GBPS
+    assert cluster.slowest_link([0, 1, 2]) == 10 * GBPS
+
+
+@pytest.mark.parametrize("text, key", [
+    ("[[node]]\ndevice = 'T4'\ncount = 0\n", "node[0].count"),
+    ("[[node]]\ndevice = 'Q9000'\n", "node[0].device"),
+    ("[[node]]\ndevice = 'T4'\nintra_node_gbps = -3\n", "node[0].intra_node_gbps"),
+    ("[[node]]\ndevice = 'T4'\ncolour = 'red'\n", "node[0].colour"),
+    ("inter_node_gbps = 'fast'\n[[node]]\ndevice = 'T4'\n", "inter_node_gbps"),
+    ("[device.X]\ntflops = 1\n[[node]]\ndevice = 'X'\n", "device.X.memory_gib"),
+    ("[[node]]\ndevice = 'T4'\n[[link]]\nnodes = [0, 5]\ngbps = 1\n", "link[0].nodes"),
+    ("nodes = 3\n", "nodes"),
+    ("", "node"),
+    ("[[node]\ndevice = 'T4'\n", "line 1"),
+])
+def test_bad_cluster_file_names_the_key(tmp_path, text, key):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        Cluster.from_toml(path)
+
+
+def test_example_cluster_file_loads():
+    cluster = Cluster.from_toml(Path(__file__).resolve().parents[1] / "examples" / "cluster.toml")
+    assert cluster.num_devices == 16 and {n.device.name for n in cluster.nodes} == {"V100", "T4"}
+
+
+def test_local_cluster_describes_this_machine():
+    cluster = Cluster.local()
+    assert cluster.num_devices >= 1 and cluster.nodes[0].device.memory_bytes > 0
+
+
+# ---------------------------------------------------------------------------- layers
+def test_layers_are_blocks_and_map_back_to_a_full_partition():
+    tree = gpt_tree(n_layer=8)
+    layers = layer_sequence(tree)
+    assert layers.names == ["wte", *[f"h.{i}" for i in range(8)], "ln_f"]
+    assert layers.cut_bytes.tolist() == [2 * 1024 * 1024] * 9
+    stages = [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    part = layers.partition(stages, 3)
+    assert {n.name for n in tree.nodes()} == set(part.node_stage)
+    assert part.stage_of("h.1.mlp") == 0 and part.stage_of("h.5.mlp") == 1
+    assert part.stage_of("h") == 0  # an opened container follows its first-called child
+    assert part.stage_of("") == 0
+    # pins name every layer and opened parent, so a runtime honouring them gets this partition
+    pins = layers.pins(stages)
+    assert pins["h.6"] == 2 and pins["h"] == 0 and Config(pipeline_parallel_degree=3, pin=pins)
+
+
+def test_parent_cost_is_charged_to_its_first_child_layer():
+    spec = {"name": "", "children": [
+        {"name": "a", "param_count": 10, "param_bytes": 40, "flops": 5.0, "children": [
+            {"name": "a.x", "flops": 1.0}, {"name": "a.y", "flops": 1.0}]},
+        {"name": "b", "flops": 1.0}]}
+    tree = ModuleTree.from_spec(spec)
+    layers = layer_sequence(tree, max_share=0.1)
+    assert layers.names == ["a.x", "a.y", "b"]
+    assert layers.compute.tolist() == [6.0, 1.0, 1.0] and layers.param_count.tolist() == [10, 0, 0]
+
+
+# ---------------------------------------------------------------------------- search
+def homogeneous(nodes: int, per_node: int, kind: str = "A100-80") -> Cluster:
+    return Cluster.homogeneous(kind, nodes, per_node, intra_gbps=2400, inter_gbps=200)
+
+
+def test_every_plan_uses_every_device_and_fits():
+    tree = gpt_tree(n_layer=12)
+    cluster = Cluster([Node(device_type("V100"), 4, 170 * GBPS) for _ in range(3)]
+                      + [Node(device_type("T4"), 4, 50 * GBPS)], 10 * GBPS)
+    plans = plan(tree, cluster, 32, top=50, bytes_per_param=16.0)
+    assert len(plans) > 10
+    for p in plans:
+        assert p.pp * p.tp * p.dp == cluster.num_devices
+        ranks = sorted(d.rank for s in p.stages for d in s.devices)
+        assert ranks == list(range(cluster.num_devices))
+        assert p.microbatches * p.microbatch_size * p.dp == 32
+        assert all(used <= budget * (1 + 1e-9) for used, budget in p.stage_memory)
+        assert p.config.pipeline_parallel_degree == p.pp and p.config.data_parallel_degree == p.dp
+    times = [p.time_s for p in plans]
+    assert times == sorted(times)
+
+
+def test_predicted_memory_matches_an_independent_count():
+    tree = uniform_tree(8, params=10_000_000)
+    cluster = homogeneous(1, 4)
+    best = plan(tree, cluster, 8, tp_degrees=[1], bytes_per_param=16.0, pipeline="simple").best
+    per_stage_layers = [len(best.partition.modules_on(j)) - (1 if j == 0 else 0) for j in range(best.pp)]
+    for j, count in enumerate(per_stage_layers):
+        activation = count * (1 << 20) * best.microbatch_size * best.microbatches  # all in flight
+        assert best.stage_memory[j][0] == pytest.approx(count * 10_000_000 * 16 + activation)
+
+
+def test_homogeneous_equal_layers_split_uniformly():
+    plans = plan(uniform_tree(16), homogeneous(1, 4), 64, tp_degrees=[1], top=50)
+    four = [p for p in plans if p.pp == 4]
+    assert four and all(p.starts == (0, 4, 8, 12) for p in four)
+
+
+def test_faster_gpus_get_more_layers():
+    cluster = Cluster([Node(device_type("H100"), 1, 300 * GBPS), Node(device_type("T4"), 1, 300 * GBPS)],
+                      100 * GBPS)
+    plans = plan(uniform_tree(20), cluster, 16, top=50)
+    two = next(p for p in plans if p.pp == 2)
+    counts = {s.devices[0].type.name: n for s, n in zip(two.stages, _counts(two), strict=True)}
+    assert counts["H100"] > 3 * counts["T4"]
+
+
+def _counts(p):
+    bounds = [*p.starts, len(p.layers)]
+    return [bounds[j + 1] - bounds[j] for j in range(p.pp)]
+
+
+def test_plan_partition_is_consistent_with_its_layers():
+    tree = gpt_tree(n_layer=8)
+    best = plan(tree, homogeneous(1, 4), 32).best
+    part = best.partition
+    assert part.num_stages == best.pp
+    for name, stage in best.config.pin.items():
+        assert part.stage_of(name) == stage
+
+
+def test_best_plan_beats_the_search_space_exhaustively():
+    """Every strategy priced by hand (cost model + brute force) is no faster than the best plan."""
+    tree = gpt_tree(n_layer=6, hidden=512, seq=256)
+    cluster = Cluster([Node(device_type("V100"), 2, 170 * GBPS), Node(device_type("T4"), 2, 50 * GBPS)],
+                      10 * GBPS)
+    plans = plan(tree, cluster, 8, top=1000)
+    from smpart.planner.strategies import enumerate_strategies
+
+    model = CostModel(layer_sequence(tree), cluster, CostOptions())
+    fastest = float("inf")
+    for s in enumerate_strategies(cluster, len(model.layers), 8):
+        costs = model.strategy(list(s.stages), s.tp, s.microbatch_size, s.microbatches)
+        try:
+            a = assign_layers(costs.layer_times, s.pp, s.microbatches, costs.cut_costs,
+                              layer_memory=costs.layer_memory, stage_memory=1.0)
+        except PlanError:
+            continue
+        fastest = min(fastest, a.objective + max(model.dp_sync_time(list(s.stages), a.starts, s.tp)))
+    assert plans.best.time_s == pytest.approx(fastest)
+
+
+def test_model_too_big_names_stage_and_overflow():
+    tree = uniform_tree(4, params=2_000_000_000)  # 8e9 params × 16 B = 128 GB on 4 × 16 GiB
+    with pytest.raises(PlanError, match=r"overflows stage \d .*GiB over its usable"):
+        plan(tree, homogeneous(1, 4, "V100"), 4)
+
+
+def test_mixed_stage_splits_its_batch_by_speed():
+    cluster = Cluster([Node(device_type("H100"), 1, 300 * GBPS), Node(device_type("T4"), 1, 300 * GBPS)])
+    model = CostModel(layer_sequence(uniform_tree(4)), cluster)
+    devices = list(cluster.devices())
+    mixed = StageDevices(((devices[0],), (devices[1],)))
+    alone = StageDevices(((devices[0],),))
+    # two micro-batches on H100 + T4 take 2 / (989 + 65) of the time one takes on the H100 alone
+    t_mixed = model.strategy([mixed], 1, 1, 1).layer_times.sum()
+    t_alone = model.strategy([alone], 1, 1, 1).layer_times.sum()
+    assert t_mixed / t_alone == pytest.approx(2 * 989 / (989 + 65))
+
+
+def test_show_and_json(capsys):
+    plans = plan(gpt_tree(n_layer=8), homogeneous(2, 4), 64)
+    plans.show(top=3)
+    out = capsys.readouterr().out
+    assert "Why the best plan wins" in out and "all stages fit" in out
+    data = json.loads(plans.to_json(top=3))
+    assert data["plans"][0]["config"]["pipeline_parallel_degree"] == plans.best.pp
+    assert Config.from_any(data["plans"][0]["config"]) == plans.best.config
+
+
+def test_bad_plan_arguments():
+    with pytest.raises(PlanError, match="global_batch"):
+        plan(gpt_tree(), homogeneous(1, 2), 0)
+    with pytest.raises(PlanError, match="unknown plan option"):
+        plan(gpt_tree(), homogeneous(1, 2), 8, colour="red")
+
+
+def test_cli_plan_json(tmp_path, capsys):
+    from smpart.cli import main
+
+    path = tmp_path / "c.toml"
+    path.write_text("[[node]]\ndevice = 'A100-40'\ncount = 4\n")
+    assert main(["plan", "examples.models:gpt2", "--cluster", str(path), "--global-batch", "16",
+                 "--top", "3", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["plans"]) == 3 and data["num_devices"] == 4
+    path.write_text("[[node]]\ndevice = 'A100-40'\ncount = 'four'\n")
+    assert main(["plan", "examples.models:gpt2", "--cluster", str(path), "--global-batch", "16"]) == 2
+    assert "node[0].count" in capsys.readouterr().err

@@ -16,9 +16,29 @@ from smpart.partition.result import Partition, StageLoad
 from smpart.tracing.tree import DataEdge, ModuleNode, ModuleTree
 
 # --- tracing (issue 2) ---
+# isort: split
+from smpart.tracing.tracer import trace
+
 # --- partition (issue 2) ---
+# isort: split
+from smpart.partition.api import partition
+
 # --- runtime (issue 3) ---
+# isort: split
+from smpart.runtime import (
+    DistributedModel,
+    DistributedOptimizer,
+    StepOutput,
+    init,
+    partition_of,
+    set_partition,
+    shutdown,
+    step,
+)
+
 # --- planner (issue 4) ---
+# isort: split
+from smpart.planner import Cluster, DeviceType, Plan, Plans, plan
 
 __version__ = "0.1.0"
 
@@ -35,4 +55,21 @@ __all__ = [
     "SmpartError",
     "StageLoad",
     "TraceError",
+    "trace",
+    "partition",
+    # runtime (issue 3)
+    "DistributedModel",
+    "DistributedOptimizer",
+    "StepOutput",
+    "init",
+    "partition_of",
+    "set_partition",
+    "shutdown",
+    "step",
+    # planner (issue 4)
+    "Cluster",
+    "DeviceType",
+    "Plan",
+    "Plans",
+    "plan",
 ]

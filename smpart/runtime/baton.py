@@ -1,0 +1,127 @@
+"""`Baton`: a stage runs one piece of work at a time, and the schedule picks which.
+
+A stage is one device: its forward calls and backward segments run one at a time, in the order
+its `Schedule` prefers. Each piece of work takes a `Ticket` when it becomes runnable (a forward
+request or a gradient message arrives, a waiting call gets its response) and waits until the
+baton is granted to that ticket. Whoever holds the baton gives it back when the work ends or
+when it waits on another stage, and the baton then goes to the best ready ticket.
+
+Tickets are taken by the thread receiving the stage's messages, in arrival order, not by the
+threads doing the work when they happen to wake up, so the order work runs in does not depend
+on thread timing: micro-batches pass each stage in order, which keeps BatchNorm statistics
+identical to an unsplit run. A stage has two batons: one for compute, one for the glue code of
+calls resuming after another stage answered (`ExecutionServer.enter_compute`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
+POLL_S = 0.05
+
+
+class Cancelled(BaseException):
+    """The ticket's step was aborted while it waited (a BaseException: user code must not catch it)."""
+
+
+class TimedOut(Exception):
+    """The ticket waited longer than the step's timeout."""
+
+
+class Ticket:
+    """A claim on the baton by one piece of work of ``kind`` for ``microbatch``."""
+
+    __slots__ = ("kind", "microbatch", "arrival", "granted", "cancelled", "payload")
+
+    def __init__(self, kind: str, microbatch: int) -> None:
+        self.kind = kind
+        self.microbatch = microbatch
+        self.arrival = 0
+        self.granted = threading.Event()
+        self.cancelled = False
+        self.payload = None
+
+
+class Baton:
+    """The right to run on one stage, granted to the best ready `Ticket`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holder: Ticket | None = None
+        self._waiting: list[Ticket] = []
+        self._arrival = itertools.count()
+        self._last_kind: str | None = None
+        self._rank: Callable[[str, int, str | None], tuple] = lambda kind, mb, last: (mb,)
+        self._ready: Callable[[str], bool] = lambda kind: True
+
+    def set_schedule(self, rank: Callable[[str, int, str | None], tuple],
+                     ready: Callable[[str], bool]) -> None:
+        """``rank(kind, microbatch, last kind granted)`` orders ready tickets; ``ready(kind)`` filters."""
+        with self._lock:
+            self._rank, self._ready, self._last_kind = rank, ready, None
+
+    def ticket(self, kind: str, microbatch: int) -> Ticket:
+        """A new ticket, not yet waiting (`enqueue` it when its work becomes runnable)."""
+        return Ticket(kind, microbatch)
+
+    def enqueue(self, ticket: Ticket) -> Ticket:
+        """Make ``ticket`` runnable; it is granted the baton when it is the best ready one."""
+        with self._lock:
+            ticket.arrival = next(self._arrival)
+            self._waiting.append(ticket)
+            self._grant()
+        return ticket
+
+    def take(self, kind: str, microbatch: int) -> Ticket:
+        return self.enqueue(self.ticket(kind, microbatch))
+
+    def wait(self, ticket: Ticket, timeout_s: float, what: Callable[[], str]) -> None:
+        """Block until ``ticket`` holds the baton; raise `Cancelled` or `TimedOut` instead."""
+        deadline = time.monotonic() + timeout_s
+        while not ticket.granted.wait(POLL_S):
+            if ticket.cancelled:
+                raise Cancelled()
+            if time.monotonic() > deadline:
+                with self._lock:
+                    if self._holder is not ticket:
+                        self._waiting.remove(ticket)
+                        raise TimedOut(what())
+                return  # granted just now
+        if ticket.cancelled:
+            self.release(ticket)
+            raise Cancelled()
+
+    def release(self, ticket: Ticket) -> None:
+        """Give the baton back (a no-op unless ``ticket`` holds it)."""
+        with self._lock:
+            if self._holder is ticket:
+                self._holder = None
+                self._grant()
+
+    def reconsider(self) -> None:
+        """Readiness may have changed (a forward pass finished): grant if possible."""
+        with self._lock:
+            self._grant()
+
+    def cancel_all(self) -> None:
+        """Wake every waiting ticket with `Cancelled` (the step was aborted)."""
+        with self._lock:
+            for ticket in self._waiting:
+                ticket.cancelled = True
+                ticket.granted.set()
+            self._waiting.clear()
+
+    def _grant(self) -> None:
+        if self._holder is not None or not self._waiting:
+            return
+        ready = [t for t in self._waiting if self._ready(t.kind)]
+        if not ready:
+            return
+        best = min(ready, key=lambda t: (*self._rank(t.kind, t.microbatch, self._last_kind), t.arrival))
+        self._waiting.remove(best)
+        self._holder = best
+        self._last_kind = best.kind
+        best.granted.set()

@@ -1,0 +1,153 @@
+"""Where a module call runs: here, or as a request to the stage that owns the module.
+
+Placement installs a `StagedForward` as each placed module's ``forward`` (an instance attribute,
+so ``module(...)``, its hooks and ``module.forward(...)`` all go through it). Every thread running
+pipeline work carries a `Frame` (thread-local): which endpoint it is (a stage's server or a
+micro-batch's driver), for which step and micro-batch. A call to a module of the current stage
+runs inline, exactly as in the unsplit model (a call resumed after a remote answer first takes
+its stage's compute baton, `ExecutionServer.enter_compute`); a call to a module of another stage
+becomes ``frame.endpoint.call(...)``, i.e. a `ForwardRequest` whose answer comes back as fresh
+tensors.
+Outside a step (no frame) modules run inline in the calling thread, like an ordinary model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch import nn
+
+from smpart.errors import PipelineError
+
+
+class Endpoint(Protocol):
+    """A thread that runs pipeline work and can call modules on other stages."""
+
+    stage: int | None
+
+    def call(self, frame: Frame, stage: int, module: str, args: tuple, kwargs: dict) -> Any: ...
+
+
+@dataclass
+class Frame:
+    """What the current thread is running: ``endpoint`` works for ``microbatch`` of ``step``.
+
+    ``run``, ``ticket``, ``glue`` and ``since`` belong to a stage's frames: the stage's per-step
+    state, the compute and glue baton tickets the frame holds (None: not held), and when its
+    current timeline span started.
+    """
+
+    endpoint: Endpoint
+    step: int
+    microbatch: int
+    run: Any = None
+    ticket: Any = None
+    glue: Any = None
+    since: float = 0.0
+
+    @property
+    def stage(self) -> int | None:
+        return self.endpoint.stage
+
+
+_local = threading.local()
+
+
+def current_frame() -> Frame | None:
+    return getattr(_local, "frame", None)
+
+
+@contextlib.contextmanager
+def running(frame: Frame) -> Iterator[Frame]:
+    """Run the block as ``frame`` (frames nest: the previous one is restored after)."""
+    previous = current_frame()
+    _local.frame = frame
+    try:
+        yield frame
+    finally:
+        _local.frame = previous
+
+
+class StagedForward:
+    """A module's ``forward`` that knows the module's stage. Dispatches on the caller's frame."""
+
+    def __init__(self, module: nn.Module, name: str, stage: int) -> None:
+        self.module = module
+        self.name = name
+        self.stage = stage
+        #: A forward the user set on the instance before placement (rare), else None.
+        self.instance_forward = module.__dict__.get("forward")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        frame = current_frame()
+        if frame is None:
+            return self.run_here(None, args, kwargs)
+        if frame.stage != self.stage:
+            return frame.endpoint.call(frame, self.stage, self.name, args, kwargs)
+        if frame.run is not None and frame.ticket is None:  # a resumed call, running as glue
+            frame.endpoint.enter_compute(frame)
+        return self.run_here(frame, args, kwargs)
+
+    def run_here(self, frame: Frame | None, args: tuple, kwargs: dict) -> Any:
+        try:
+            if self.instance_forward is not None:
+                return self.instance_forward(*args, **kwargs)
+            return type(self.module).forward(self.module, *args, **kwargs)
+        except Exception as err:
+            if frame is not None:
+                mark_origin(err, frame.stage, self.name, frame.microbatch)
+            raise
+
+    @property
+    def __wrapped__(self) -> Any:
+        """The original forward, so ``inspect.signature(module.forward)`` still works."""
+        return self.instance_forward or type(self.module).forward.__get__(self.module)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.__wrapped__)
+
+
+def install(module: nn.Module, name: str, stage: int) -> None:
+    if isinstance(module.__dict__.get("forward"), StagedForward):
+        raise RuntimeError(f"module {name!r} is already placed by another DistributedModel")
+    module.forward = StagedForward(module, name, stage)  # type: ignore[method-assign]
+
+
+def uninstall(module: nn.Module) -> None:
+    staged = module.__dict__.get("forward")
+    if isinstance(staged, StagedForward):
+        if staged.instance_forward is not None:
+            module.forward = staged.instance_forward  # type: ignore[method-assign]
+        else:
+            del module.forward
+
+
+# ------------------------------------------------------------------ where errors happened
+def mark_origin(err: BaseException, stage: int | None, module: str, microbatch: int) -> None:
+    """Remember the innermost module an exception came from (the type is left alone, so user code
+    that catches its own exceptions inside a forward keeps working)."""
+    if not hasattr(err, "_smpart_origin"):
+        with contextlib.suppress(AttributeError, TypeError):
+            err._smpart_origin = (stage, module, microbatch)  # type: ignore[attr-defined]
+
+
+def as_pipeline_error(err: BaseException, stage: int | None, module: str | None, microbatch: int,
+                      phase: str = "forward") -> PipelineError:
+    """``err`` as a `PipelineError` naming where it happened (already one: returned unchanged)."""
+    if isinstance(err, PipelineError):
+        return err
+    stage, module, microbatch = getattr(err, "_smpart_origin", (stage, module, microbatch))
+    where = "the step body" if stage is None else f"stage {stage}"
+    what = "" if module is None else f" in module {module or '<root>'!r}"
+    failure = PipelineError(
+        f"{phase} of micro-batch {microbatch} failed on {where}{what}: {type(err).__name__}: {err}",
+        stage=stage, module=module, microbatch=microbatch,
+    )
+    failure.__cause__ = err
+    return failure

@@ -1,0 +1,53 @@
+"""`DistributedOptimizer`: any torch optimizer, over parameters that live on their stages.
+
+Placement moves parameters in place (the same `nn.Parameter` objects), so the wrapped optimizer
+needs no translation: each parameter's state is created on its own device at the first step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from smpart.errors import SmpartError
+
+
+class DistributedOptimizer:
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise SmpartError("DistributedOptimizer wraps a torch.optim.Optimizer, "
+                              f"got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+
+    def step(self, closure: Any = None) -> Any:
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(group)
+
+    def __getattr__(self, name: str) -> Any:
+        optimizer = self.__dict__.get("optimizer")
+        if optimizer is None:
+            raise AttributeError(name)
+        return getattr(optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r})"

@@ -1,0 +1,104 @@
+"""Placement: trace and partition a model once, then put every module where its stage lives.
+
+The runtime never computes a partition of its own: it traces the model on the first
+micro-batch's call (`smpart.tracing.tracer.trace`), hands the tree to the partitioner
+(`smpart.partition.api.partition`) with the configured ``memory_weight`` and pins, and applies the
+`Partition` it gets back. Applying means, for every module: move its *own* parameters and buffers
+to its stage's device in place (``p.data = p.data.to(device)``, so optimizers already holding
+the parameters keep working) and install a `StagedForward` that routes calls to its stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from smpart.config import Config
+from smpart.errors import ConfigError, PartitionError
+from smpart.partition.result import Partition
+from smpart.runtime.calls import install, uninstall
+from smpart.runtime.server import ExecutionServer
+
+
+def choose_devices(config: Config) -> list[torch.device]:
+    """Each stage's device: ``config.devices``, else one CUDA device per stage if there are enough,
+    else the CPU for every stage."""
+    stages = config.pipeline_parallel_degree
+    if config.devices:
+        try:
+            return [torch.device(d) for d in config.devices[:stages]]
+        except RuntimeError as err:
+            raise ConfigError(f"devices: {err}") from None
+    if torch.cuda.is_available() and torch.cuda.device_count() >= stages:
+        return [torch.device("cuda", i) for i in range(stages)]
+    return [torch.device("cpu")] * stages
+
+
+def make_partition(model: nn.Module, args: tuple, kwargs: dict, config: Config,
+                   pins: dict[str, int]) -> Partition:
+    """Trace ``model`` on one call's arguments and partition it as configured."""
+    from smpart.partition.api import partition
+    from smpart.tracing.tracer import trace
+
+    real = config.trace_device == "real"
+    tree = trace(model, args, kwargs, device=None if real else "meta", measure_time=real,
+                 param_memory_factor=config.param_memory_factor)
+    return partition(tree, config.pipeline_parallel_degree, memory_weight=config.memory_weight, pin=pins)
+
+
+def module_stages(model: nn.Module, partition: Partition) -> dict[str, int]:
+    """Stage of every module name; a module the tree does not know goes with its parent."""
+    stages: dict[str, int] = {}
+    for name, _ in model.named_modules(remove_duplicate=False):
+        try:
+            stages[name] = partition.stage_of(name)
+        except PartitionError:
+            stages[name] = stages.get(name.rpartition(".")[0], 0)
+    return stages
+
+
+def place(model: nn.Module, partition: Partition, servers: list[ExecutionServer]) -> None:
+    """Move each module's own tensors to its stage's device and route its calls there."""
+    if partition.num_stages != len(servers):
+        raise PartitionError(f"the partition has {partition.num_stages} stages but the runtime runs "
+                             f"{len(servers)}; re-partition with num_stages={len(servers)}")
+    stages = module_stages(model, partition)
+    moved: set[int] = set()
+    for name, module in model.named_modules():
+        server = servers[stages[name]]
+        _move_own_tensors(module, server.device, moved)
+        install(module, name, server.stage)
+        server.modules[name] = module
+
+
+def unplace(model: nn.Module, servers: list[ExecutionServer]) -> None:
+    """Undo `place`'s routing (tensors stay where they are)."""
+    for module in model.modules():
+        uninstall(module)
+    for server in servers:
+        server.modules.clear()
+
+
+def _move_own_tensors(module: nn.Module, device: torch.device, moved: set[int]) -> None:
+    for param in module.parameters(recurse=False):
+        if id(param) in moved:
+            continue
+        moved.add(id(param))
+        if param.device != device:
+            param.data = param.data.to(device)
+            if param.grad is not None:
+                param.grad = param.grad.to(device)
+    for key, buffer in module._buffers.items():
+        if buffer is not None and buffer.device != device:
+            module._buffers[key] = buffer.to(device)
+
+
+def pins_for(model: nn.Module, config_pins: dict[str, int], module_pins: dict[Any, int]) -> dict[str, int]:
+    """``config.pin`` plus the `set_partition` calls made for modules of ``model``."""
+    pins = dict(config_pins)
+    for name, module in model.named_modules():
+        if module in module_pins:
+            pins[name] = module_pins[module]
+    return pins

@@ -1,0 +1,61 @@
+"""``@smpart.step``: run the user's own training step over micro-batches on the pipeline.
+
+The decorated function is called once per micro-batch, each call in its own driver thread, with
+the tensor arguments split along their batch axis; the model argument must be a
+`DistributedModel`. What each call returns is gathered into `StepOutput` objects.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+from smpart.errors import SmpartError
+from smpart.runtime.microbatches import StepOutput, split_arguments, step_outputs
+from smpart.runtime.model import DistributedModel
+from smpart.runtime.runtime import current_runtime
+
+
+class StepFunction:
+    def __init__(self, fn: Callable, non_split_inputs: Iterable[str] = (),
+                 input_split_axes: dict[str, int] | None = None) -> None:
+        self.fn = fn
+        self.non_split_inputs = tuple(non_split_inputs)
+        self.input_split_axes = dict(input_split_axes or {})
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> StepOutput | tuple[StepOutput, ...]:
+        runtime = current_runtime()
+        _check_models(self.fn, args, kwargs)
+        pieces = split_arguments(self.fn, args, kwargs, runtime.config.microbatches,
+                                 skip=lambda v: isinstance(v, DistributedModel | nn.Module),
+                                 non_split=self.non_split_inputs, axes=self.input_split_axes)
+        results, timeline = runtime.run_step(self.fn, pieces)
+        return step_outputs(results, timeline)
+
+
+def step(fn: Callable | None = None, *, non_split_inputs: Iterable[str] = (),
+         input_split_axes: dict[str, int] | None = None) -> Any:
+    """Decorate a training (or evaluation) step: ``@smpart.step`` or ``@smpart.step(non_split_inputs=[...])``.
+
+    ``non_split_inputs``: argument names given whole to every micro-batch. ``input_split_axes``:
+    argument name -> axis to split along (default 0).
+    """
+    if fn is None:
+        return lambda f: StepFunction(f, non_split_inputs, input_split_axes)
+    return StepFunction(fn, non_split_inputs, input_split_axes)
+
+
+def _check_models(fn: Callable, args: tuple, kwargs: dict) -> None:
+    values = list(args) + list(kwargs.values())
+    plain = [v for v in values if isinstance(v, nn.Module)]
+    if plain:
+        raise SmpartError(
+            f"step {fn.__name__}() got a plain torch.nn.Module ({type(plain[0]).__name__}); wrap it first: "
+            "model = smpart.DistributedModel(model)")
+    if sum(isinstance(v, DistributedModel) for v in values) != 1:
+        raise SmpartError(f"step {fn.__name__}() needs exactly one smpart.DistributedModel among its "
+                          "arguments")

@@ -1,0 +1,192 @@
+"""Pipelined training equals unsplit training: losses and every gradient, for every zoo model.
+
+The reference is a deep copy of the same model trained on one device with the same micro-batch
+semantics (the loss of a step is the mean of the per-micro-batch losses; gradients are averaged).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+import smpart
+from examples.models import ZOO
+
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _fresh_runtime():
+    yield
+    smpart.shutdown()
+
+
+@smpart.step
+def train_step(model, example, args, kwargs, target):
+    loss = example.loss(model(*args, **kwargs), target)
+    model.backward(loss)
+    return loss
+
+
+def reference_step(model, example, args, kwargs, target, microbatches):
+    """Unsplit model, same micro-batching: mean of micro-batch losses, gradients averaged."""
+    losses = []
+    for i in range(microbatches):
+        a = [x.chunk(microbatches)[i] for x in args]
+        k = {n: v.chunk(microbatches)[i] for n, v in kwargs.items()}
+        loss = example.loss(model(*a, **k), target.chunk(microbatches)[i])
+        (loss / microbatches).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def assert_same_grads(pipelined, reference):
+    names = [n for n, _ in pipelined.named_parameters()]
+    assert names == [n for n, _ in reference.named_parameters()]
+    for (name, p), (_, q) in zip(pipelined.named_parameters(), reference.named_parameters(), strict=True):
+        if q.grad is None:
+            assert p.grad is None or p.grad.abs().max() == 0, name
+            continue
+        assert p.grad is not None, f"{name} got no gradient"
+        assert (p.grad.cpu() - q.grad).abs().max().item() <= TOL, name
+
+
+def train_and_compare(factory, stages, microbatches, schedule, steps=2, batch_size=4, **init):
+    example = factory(dtype=torch.float64)
+    reference = copy.deepcopy(example.model)
+    smpart.init(pipeline_parallel_degree=stages, microbatches=microbatches, pipeline=schedule,
+                timeout_s=60, **init)
+    model = smpart.DistributedModel(example.model)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for step in range(steps):
+        args, kwargs, target = example.batch(batch_size, seed=step)
+        out = train_step(model, example, args, kwargs, target)
+        expected = reference_step(reference, example, args, kwargs, target, microbatches)
+        assert (out.stack() - expected).abs().max().item() <= TOL
+        assert_same_grads(model, reference)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return model, reference, out
+
+
+GPT2_GRID = [(s, m, p) for s in (1, 2, 3, 4) for m in (1, 2, 4) for p in ("simple", "interleaved")]
+DIAGONAL = [(2, 2, "simple"), (3, 4, "interleaved"), (4, 4, "simple"), (4, 2, "interleaved")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("stages", "microbatches", "schedule"), GPT2_GRID)
+def test_gpt2_matches_unsplit(stages, microbatches, schedule):
+    model, _, out = train_and_compare(ZOO["gpt2"], stages, microbatches, schedule)
+    assert smpart.partition_of(model).num_stages == stages
+    assert len(out.outputs) == microbatches
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", [n for n in ZOO if n != "gpt2"])
+@pytest.mark.parametrize(("stages", "microbatches", "schedule"), DIAGONAL)
+def test_zoo_model_matches_unsplit(name, stages, microbatches, schedule):
+    train_and_compare(ZOO[name], stages, microbatches, schedule)
+
+
+@pytest.mark.timeout(60)
+def test_batchnorm_running_stats_match_unsplit():
+    model, reference, _ = train_and_compare(ZOO["resnet"], 3, 4, "interleaved", steps=3)
+    for (name, b), (_, r) in zip(model.named_buffers(), reference.named_buffers(), strict=True):
+        assert torch.equal(b.cpu(), r) if b.dtype == torch.int64 else (b.cpu() - r).abs().max() <= 1e-10, name
+
+
+@pytest.mark.timeout(60)
+def test_sum_instead_of_average():
+    example = ZOO["gpt2"](dtype=torch.float64)
+    reference = copy.deepcopy(example.model)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, average_grads_across_microbatches=False)
+    model = smpart.DistributedModel(example.model)
+    args, kwargs, target = example.batch(4)
+    train_step(model, example, args, kwargs, target)
+    reference_step(reference, example, args, kwargs, target, 2)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert (p.grad - 2 * q.grad).abs().max() <= TOL
+
+
+@pytest.mark.timeout(60)
+def test_eval_step_runs_forward_only():
+    example = ZOO["t5"](dtype=torch.float64)
+    reference = copy.deepcopy(example.model)
+    smpart.init(pipeline_parallel_degree=3, microbatches=2)
+    model = smpart.DistributedModel(example.model)
+
+    @smpart.step
+    def eval_step(model, args, kwargs):
+        with torch.no_grad():
+            return model(*args, **kwargs)["logits"]
+
+    args, kwargs, _ = example.batch(4)
+    out = eval_step(model, args, kwargs)
+    with torch.no_grad():
+        expected = reference(*args, **kwargs)["logits"]
+    assert (out.concat() - expected).abs().max() <= TOL
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.timeout(60)
+def test_state_dict_is_the_full_unsplit_one():
+    example = ZOO["gpt2"]()
+    smpart.init(pipeline_parallel_degree=3, microbatches=2)
+    model = smpart.DistributedModel(example.model)
+    args, kwargs, target = example.batch(4)
+    train_step(model, example, args, kwargs, target)
+    state = model.state_dict()
+    plain = ZOO["gpt2"](seed=1).model
+    plain.load_state_dict(state)
+    assert set(state) == set(plain.state_dict())
+    model.load_state_dict(ZOO["gpt2"](seed=2).model.state_dict())
+    assert torch.equal(model.module.lm_head.weight, ZOO["gpt2"](seed=2).model.lm_head.weight)
+
+
+@pytest.mark.timeout(60)
+def test_step_output_reductions_and_timeline(tmp_path):
+    import json
+
+    example = ZOO["gpt2"]()
+    smpart.init(pipeline_parallel_degree=2, microbatches=4)
+    model = smpart.DistributedModel(example.model)
+
+    @smpart.step
+    def step_with_two_outputs(model, args, kwargs, target):
+        logits = model(*args, **kwargs)
+        loss = example.loss(logits, target)
+        model.backward(loss)
+        return loss, logits
+
+    args, kwargs, target = example.batch(8)
+    loss, logits = step_with_two_outputs(model, args, kwargs, target)
+    assert torch.allclose(loss.reduce_mean(), loss.stack().mean())
+    assert torch.allclose(loss.reduce_sum(), loss.stack().sum())
+    assert logits.concat().shape[0] == 8 and logits.stack().shape[0] == 4
+    timeline = loss.timeline
+    kinds = {(e["stage"], e["microbatch"], e["kind"]) for e in timeline.events}
+    assert kinds == {(s, m, k) for s in range(2) for m in range(4) for k in ("forward", "backward")}
+    assert 0.0 <= timeline.bubble_fraction < 1.0
+    path = timeline.save(str(tmp_path / "step.json"))
+    trace = json.loads(open(path, encoding="utf-8").read())  # noqa: SIM115
+    assert {e["tid"] for e in trace["traceEvents"]} == {0, 1}
+    assert timeline.to_dict()["events"] == timeline.events
+
+
+@pytest.mark.timeout(60)
+def test_reinit_after_shutdown_leaves_no_threads():
+    example = ZOO["gpt2"]()
+    model = smpart.DistributedModel(example.model)
+    args, kwargs, target = example.batch(4)
+    for stages, microbatches in ((2, 2), (3, 4)):
+        smpart.init(pipeline_parallel_degree=stages, microbatches=microbatches)
+        out = train_step(model, example, args, kwargs, target)
+        assert len(out.outputs) == microbatches
+        assert smpart.partition_of(model).num_stages == stages
+        smpart.shutdown()
+        assert [t.name for t in threading.enumerate() if t.name.startswith("smpart")] == []

@@ -1,0 +1,172 @@
+"""Faults and bad input: each a clear SmpartError, bounded in time, and the next step still runs."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import smpart
+from smpart.errors import ConfigError, PipelineError, SmpartError
+
+
+@pytest.fixture(autouse=True)
+def _fresh_runtime():
+    yield
+    smpart.shutdown()
+
+
+class Faulty(nn.Module):
+    """Raises (or sleeps, or returns an opaque object) when ``mode`` says so."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.mode = None
+
+    def forward(self, x):
+        if self.mode == "raise":
+            raise ValueError("boom")
+        if self.mode == "sleep":
+            time.sleep(1.0)
+        if self.mode == "opaque":
+            return Opaque(self.lin(x))
+        if self.mode == "backward":
+            return FailingBackward.apply(self.lin(x))
+        return self.lin(x)
+
+
+class Opaque:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward boom")
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = Faulty()
+
+    def forward(self, x):
+        out = self.second(self.first(x))
+        return out if isinstance(out, torch.Tensor) else out.tensor
+
+
+@smpart.step
+def train_step(model, x):
+    loss = model(x).sum()
+    model.backward(loss)
+    return loss
+
+
+def setup(timeout_s=10.0, microbatches=2):
+    smpart.init(pipeline_parallel_degree=2, microbatches=microbatches, pin={"first": 0, "second": 1},
+                timeout_s=timeout_s)
+    net = Net()
+    return smpart.DistributedModel(net), net
+
+
+@pytest.mark.timeout(60)
+def test_module_error_names_stage_module_and_microbatch_and_next_step_runs():
+    model, net = setup()
+    x = torch.randn(4, 4)
+    train_step(model, x)
+    net.second.mode = "raise"
+    with pytest.raises(PipelineError) as info:
+        train_step(model, x)
+    err = info.value
+    assert (err.stage, err.module, err.microbatch) == (1, "second", 0)
+    assert isinstance(err.__cause__, ValueError) and "boom" in str(err)
+    net.second.mode = None
+    assert len(train_step(model, x).outputs) == 2
+
+
+@pytest.mark.timeout(60)
+def test_backward_error_is_reported_with_its_stage():
+    model, net = setup()
+    net.second.mode = "backward"
+    with pytest.raises(PipelineError) as info:
+        train_step(model, torch.randn(4, 4))
+    assert info.value.stage == 1 and "backward boom" in str(info.value)
+    net.second.mode = None
+    train_step(model, torch.randn(4, 4))
+
+
+@pytest.mark.timeout(60)
+def test_a_hang_becomes_a_pipeline_error_then_the_pipeline_recovers():
+    model, net = setup(timeout_s=0.3)
+    net.second.mode = "sleep"
+    start = time.monotonic()
+    with pytest.raises(PipelineError, match="waited more than"):
+        train_step(model, torch.randn(4, 4))
+    assert time.monotonic() - start < 5
+    net.second.mode = None
+    time.sleep(1.2)  # the sleeping module finishes; its late answer is dropped
+    train_step(model, torch.randn(4, 4))
+
+
+@pytest.mark.timeout(60)
+def test_opaque_object_holding_tensors_is_refused():
+    model, net = setup()
+    net.second.mode = "opaque"
+    with pytest.raises(SmpartError, match="holds tensors"):
+        train_step(model, torch.randn(4, 4))
+
+
+@pytest.mark.timeout(30)
+def test_batch_not_divisible_by_microbatches():
+    model, _ = setup(microbatches=4)
+    with pytest.raises(SmpartError, match="divisible by 4"):
+        train_step(model, torch.randn(6, 4))
+
+
+@pytest.mark.timeout(30)
+def test_backward_twice_and_outside_a_step():
+    model, _ = setup()
+
+    @smpart.step
+    def twice(model, x):
+        loss = model(x).sum()
+        model.backward(loss)
+        model.backward(loss)
+
+    with pytest.raises(SmpartError, match="twice"):
+        twice(model, torch.randn(4, 4))
+    with pytest.raises(SmpartError, match="inside an @smpart.step"):
+        model.backward(model.module(torch.randn(2, 4)).sum())
+    train_step(model, torch.randn(4, 4))
+
+
+@pytest.mark.timeout(30)
+def test_plain_module_and_missing_init():
+    with pytest.raises(SmpartError, match="not initialised"):
+        train_step(smpart.DistributedModel(Net()), torch.randn(4, 4))
+    smpart.init(pipeline_parallel_degree=2, microbatches=2)
+    with pytest.raises(SmpartError, match="DistributedModel"):
+        train_step(Net(), torch.randn(4, 4))
+
+
+def test_more_stages_than_devices():
+    with pytest.raises(ConfigError, match="devices"):
+        smpart.init(pipeline_parallel_degree=3, devices=["cpu", "cpu"])
+
+
+@pytest.mark.timeout(30)
+def test_shutdown_joins_every_thread():
+    model, _ = setup()
+    train_step(model, torch.randn(4, 4))
+    smpart.shutdown()
+    assert [t.name for t in threading.enumerate() if t.name.startswith("smpart")] == []

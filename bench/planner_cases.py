@@ -7,7 +7,8 @@ every strategy the paper lists (Megatron's and AMP's top 5) priced by smpart's c
 smpart's optimal stage boundaries), with the Spearman rank correlation between smpart's predictions
 and the paper's measurements. Predictions use peak fp16 FLOP/s × `efficiency` (default 0.4); the
 paper's testbeds ran far below that, so absolute times differ by a constant factor and the ranks
-are what to compare.
+are what to compare. Models are traced in fp16 on the meta device, as the paper trained them
+(DeepSpeed with fp16), so activation and memory-traffic bytes are those of fp16 tensors.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -49,7 +51,8 @@ def gpt2_24_tree():
     from examples.models import gpt2
     from smpart.tracing.tracer import trace
 
-    ex = gpt2(n_layer=24, n_embd=1024, n_head=16, seq_len=1024, vocab_size=52256, batch_size=1, device="meta")
+    ex = gpt2(n_layer=24, n_embd=1024, n_head=16, seq_len=1024, vocab_size=52256, batch_size=1, device="meta",
+              dtype=torch.float16)
     return trace(ex.model, ex.args, ex.kwargs, device="meta")
 
 
@@ -57,8 +60,8 @@ def transgan_tree():
     from examples.models import transgan
     from smpart.tracing.tracer import trace
 
-    ex = transgan(wide=1024, narrow=16, image_size=9, wide_heads=16, narrow_heads=1, batch_size=1,
-                  device="meta")
+    ex = transgan(wide=1024, narrow=16, bottom_width=9, wide_heads=16, narrow_heads=1, batch_size=1,
+                  device="meta", dtype=torch.float16)
     return trace(ex.model, ex.args, ex.kwargs, device="meta")
 
 

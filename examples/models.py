@@ -11,8 +11,9 @@ can get wrong:
 - ``moe``: mixture-of-experts layers whose top-k router leaves some experts without tokens, so
   plain Python control flow skips them (``if tokens.numel(): expert(...)``).
 - ``resnet``: a Wide-ResNet-like CNN with BatchNorm whose layers get wider with depth.
-- ``transgan``: 12 wide transformer layers followed by 12 very narrow ones (the AMP paper's
-  heterogeneous TransGAN, 1024 then 16 wide at full size).
+- ``transgan``: 12 wide transformer layers, a pixel-shuffle upsampling, then 12 very narrow ones
+  over 64× the tokens (the AMP paper's heterogeneous TransGAN, 1024 then 16 wide at full size):
+  weights, compute and activation memory peak in different layers.
 - ``albert``: ONE transformer layer called N times (parameter sharing across depth).
 
 Sizes are keyword arguments with small defaults (the tests run these many times on CPU);
@@ -502,22 +503,45 @@ def resnet(
 
 
 # ==================================================================== TransGAN
-class TransGAN(nn.Module):
-    """A TransGAN-like generator: noise → tokens → ``n_wide`` blocks of width ``wide`` →
-    projection → ``n_narrow`` blocks of width ``narrow`` → pixels.
+class PixelShuffleTokens(nn.Module):
+    """TransGAN's upsampling: tokens of a ``side × side`` grid, ``C`` wide, become a grid ``factor``
+    times finer with ``C / factor²`` channels (``nn.PixelShuffle`` on the token grid). The same
+    numbers, ``factor²`` times as many tokens: a block after it attends over far more positions."""
 
-    The AMP paper's example of heterogeneous layers (1024 then 16 wide): uniform layer splits put
-    nearly all the work on the first stages.
+    def __init__(self, side: int, factor: int):
+        super().__init__()
+        self.side, self.factor = side, factor
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, N, C = x.shape
+        grid = x.transpose(1, 2).reshape(B, C, self.side, self.side)
+        finer = F.pixel_shuffle(grid, self.factor)  # (B, C / factor², side·factor, side·factor)
+        return finer.flatten(2).transpose(1, 2)
+
+
+class TransGAN(nn.Module):
+    """A TransGAN-like generator: noise → a ``bottom_width``² grid of tokens → ``n_wide`` blocks of
+    width ``wide`` → pixel-shuffle upsampling → ``n_narrow`` blocks of width ``narrow`` over
+    ``wide / narrow`` times as many tokens → RGB pixels.
+
+    The AMP paper's example of heterogeneous layers (1024 wide on a 9 × 9 grid, then 16 wide on
+    72 × 72): the narrow blocks hold almost no weights yet their attention over 64× the tokens
+    costs as much compute as a wide block, and far more activation memory, so neither a uniform
+    split nor a parameter-balanced split is right.
     """
 
-    def __init__(self, latent_dim: int, n_tokens: int, wide: int, narrow: int, n_wide: int, n_narrow: int,
+    def __init__(self, latent_dim: int, bottom_width: int, wide: int, narrow: int, n_wide: int, n_narrow: int,
                  wide_heads: int, narrow_heads: int, channels: int = 3):
         super().__init__()
-        self.n_tokens, self.wide = n_tokens, wide
-        self.embed = nn.Linear(latent_dim, n_tokens * wide)
-        self.pos_embed = nn.Parameter(torch.zeros(1, n_tokens, wide))
+        factor = math.isqrt(wide // narrow)
+        if wide % narrow or factor * factor != wide // narrow:
+            raise ValueError(f"wide / narrow must be a square (pixel shuffle), got {wide} / {narrow}")
+        self.n_tokens, self.wide = bottom_width * bottom_width, wide
+        self.image_size = bottom_width * factor
+        self.embed = nn.Linear(latent_dim, self.n_tokens * wide)
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.n_tokens, wide))
         self.wide_blocks = nn.ModuleList(Block(wide, wide_heads, causal=False) for _ in range(n_wide))
-        self.shrink = nn.Linear(wide, narrow)
+        self.upsample = PixelShuffleTokens(bottom_width, factor)
         self.narrow_blocks = nn.ModuleList(Block(narrow, narrow_heads, causal=False) for _ in range(n_narrow))
         self.to_pixels = nn.Linear(narrow, channels)
         self.apply(_init_transformer_weights)
@@ -526,19 +550,19 @@ class TransGAN(nn.Module):
         x = self.embed(z).view(-1, self.n_tokens, self.wide) + self.pos_embed
         for block in self.wide_blocks:
             x = block(x)
-        x = self.shrink(x)
+        x = self.upsample(x)
         for block in self.narrow_blocks:
             x = block(x)
-        side = math.isqrt(self.n_tokens)
+        side = self.image_size
         return self.to_pixels(x).transpose(1, 2).reshape(z.size(0), -1, side, side)
 
 
 def transgan(
     *,
     latent_dim: int = 16,
-    image_size: int = 4,
-    wide: int = 128,
-    narrow: int = 2,
+    bottom_width: int = 2,
+    wide: int = 64,
+    narrow: int = 4,
     n_wide: int = 12,
     n_narrow: int = 12,
     wide_heads: int = 4,
@@ -548,12 +572,13 @@ def transgan(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> Example:
-    """A TransGAN-like generator of ``image_size``² RGB images: 12 blocks 128 wide, then 12 blocks
-    2 wide (the paper's 1024/16 ratio of 64; pass ``wide=1024, narrow=16`` for full size)."""
+    """A TransGAN-like generator: 12 blocks 64 wide on a 2 × 2 grid of tokens, then 12 blocks 4
+    wide on 8 × 8, making 8 × 8 RGB images (small, for tests). The AMP paper's shape, 16× narrower
+    over 64× the tokens: ``wide=1024, narrow=16, bottom_width=9, wide_heads=16`` (72 × 72 images)."""
     with seeded(seed):
-        model = TransGAN(latent_dim, image_size * image_size, wide, narrow, n_wide, n_narrow,
-                         wide_heads, narrow_heads)
+        model = TransGAN(latent_dim, bottom_width, wide, narrow, n_wide, n_narrow, wide_heads, narrow_heads)
     model = _finish(model, dtype, device)
+    image_size = model.image_size
 
     def make_batch(batch_size: int, seed: int) -> Batch:
         g = _generator(seed)

@@ -198,15 +198,12 @@ def _write_html(
 ) -> None:
     """Write the explorer (with its memory-weight × stages grid) and optionally open it.
 
-    With ``plans``, ``part`` is the best plan's partition: its stages get their devices' memory.
+    With ``plans``, ``part`` is the best plan's partition (its ``meta`` names each stage's devices
+    and their memory, so the page draws every stage against its capacity).
     """
     import webbrowser
     from pathlib import Path
 
-    from smpart.viz.html import plan_devices
-
-    if plans is not None:
-        part.meta.update(plan_devices(plans.best))
     if model:
         part.meta.setdefault("model", model)
     part.to_html(path, plans=plans)

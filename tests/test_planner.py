@@ -10,7 +10,7 @@ import pytest
 from smpart.config import Config
 from smpart.errors import ConfigError, PlanError
 from smpart.planner import Cluster, CostOptions, Node, StageDevices, assign_layers, device_type, plan
-from smpart.planner.cluster import GBPS, GIB, DeviceType
+from smpart.planner.cluster import GBPS, GBS, GIB, DeviceType
 from smpart.planner.cost import CostModel
 from smpart.planner.layers import layer_sequence
 from smpart.tracing.tree import DataEdge, ModuleTree
@@ -51,6 +51,7 @@ inter_node_gbps = 10
 [device.Fast]
 tflops = 200
 memory_gib = 40
+memory_gbs = 1000
 [[node]]
 device = "A100-80"
 count = 1
@@ -74,7 +75,7 @@ def test_cluster_from_toml(tmp_path):
     cluster = Cluster.from_toml(path)
     assert [n.count for n in cluster.nodes] == [1, 2, 4] and cluster.num_devices == 7
     assert cluster.nodes[1].device == device_type("V100")
-    assert cluster.nodes[2].device == DeviceType("Fast", 200.0, 40 * GIB)
+    assert cluster.nodes[2].device == DeviceType("Fast", 200.0, 40 * GIB, 1000 * GBS)
     assert cluster.bandwidth(0, 2) == cluster.bandwidth(2, 0) == 25 * GBPS
     assert cluster.bandwidth(0, 1) == 10 * GBPS and cluster.bandwidth(2, 2) == 300 * GBPS
     assert cluster.slowest_link([0, 1, 2]) == 10 * GBPS
@@ -87,6 +88,8 @@ def test_cluster_from_toml(tmp_path):
     ("[[node]]\ndevice = 'T4'\ncolour = 'red'\n", "node[0].colour"),
     ("inter_node_gbps = 'fast'\n[[node]]\ndevice = 'T4'\n", "inter_node_gbps"),
     ("[device.X]\ntflops = 1\n[[node]]\ndevice = 'X'\n", "device.X.memory_gib"),
+    ("[device.X]\ntflops=1\nmemory_gib=1\nmemory_gbs=0\n[[node]]\ndevice = 'X'\n", "device.X.memory_gbs"),
+    ("[device.X]\ntflops = 1\nmemory_gib = 1\nspeed = 2\n[[node]]\ndevice = 'X'\n", "device.X.speed"),
     ("[[node]]\ndevice = 'T4'\n[[link]]\nnodes = [0, 5]\ngbps = 1\n", "link[0].nodes"),
     ("nodes = 3\n", "nodes"),
     ("", "node"),
@@ -184,6 +187,20 @@ def test_faster_gpus_get_more_layers():
     assert counts["H100"] > 3 * counts["T4"]
 
 
+def test_many_stages_cut_inside_blocks_so_slow_devices_share_the_work():
+    """8 equal blocks on 6 fast and 2 half-speed devices: whole blocks force a 2-block bottleneck
+    (a slow stage with one block, or a fast one with two); halves of blocks allow 1.5."""
+    blocks = [{"name": f"h{i}", "children": [{"name": f"h{i}.attn", "flops": 1e12},
+                                             {"name": f"h{i}.mlp", "flops": 1e12}]} for i in range(8)]
+    half = DeviceType("Half", device_type("A100-80").tflops / 2, 80 * GIB)
+    cluster = Cluster([Node(device_type("A100-80"), 6, 600 * GBPS), Node(half, 2, 600 * GBPS)], 100 * GBPS)
+    plans = plan(ModuleTree.from_spec({"name": "", "children": blocks}), cluster, 8, tp_degrees=[1], top=1000)
+    eight = next(p for p in plans if p.pp == 8)
+    block_on_fast = 2e12 * (1 + CostOptions().backward_factor) / (312e12 * 0.4) * eight.microbatch_size
+    assert max(eight.stage_times) == pytest.approx(1.5 * block_on_fast)
+    assert all(t > 0.4 * block_on_fast for t in eight.stage_times)  # no stage left idle
+
+
 def _counts(p):
     bounds = [*p.starts, len(p.layers)]
     return [bounds[j + 1] - bounds[j] for j in range(p.pp)]
@@ -196,6 +213,21 @@ def test_plan_partition_is_consistent_with_its_layers():
     assert part.num_stages == best.pp
     for name, stage in best.config.pin.items():
         assert part.stage_of(name) == stage
+
+
+def test_plan_partition_carries_each_stages_devices_and_capacity():
+    """The explorer draws a plan's stages against their devices: one replica of a stage is a
+    tensor-parallel group, holding the stage split tp ways, so its capacity is tp × a device's budget."""
+    cluster = Cluster([Node(device_type("A100-40"), 2, 600 * GBPS), Node(device_type("T4"), 2, 50 * GBPS)],
+                      10 * GBPS)
+    plans = plan(gpt_tree(n_layer=8, hidden=512, seq=256), cluster, 8, top=1000)
+    for p in (next(p for p in plans if p.tp == 2 and p.pp == 2), next(p for p in plans if p.pp == 4)):
+        meta = p.partition.meta
+        expected = [0.9 * p.tp * min(d.type.memory_bytes for d in s.devices) for s in p.stages]
+        assert meta["device_memory"] == pytest.approx(expected)
+        assert len(meta["device_names"]) == p.pp
+        for name, stage in zip(meta["device_names"], p.stages, strict=True):
+            assert stage.devices[0].type.name in name and (f"tp={p.tp}" in name) == (p.tp > 1)
 
 
 def test_best_plan_beats_the_search_space_exhaustively():
@@ -223,6 +255,42 @@ def test_model_too_big_names_stage_and_overflow():
     tree = uniform_tree(4, params=2_000_000_000)  # 8e9 params × 16 B = 128 GB on 4 × 16 GiB
     with pytest.raises(PlanError, match=r"overflows stage \d .*GiB over its usable"):
         plan(tree, homogeneous(1, 4, "V100"), 4)
+
+
+def test_memory_bound_layers_are_priced_by_memory_bandwidth():
+    """A roofline: a layer takes the longer of its FLOPs at the device's speed and its memory
+    traffic (twice the bytes its ops write, forward and backward) at the device's bandwidth."""
+    tree = ModuleTree.from_spec({"name": "", "children": [
+        {"name": "dense", "flops": 1e12, "op_bytes": 10**6},  # 10⁶ FLOPs per byte: compute-bound
+        {"name": "narrow", "flops": 1e9, "op_bytes": 10**9}]})  # 1 FLOP per byte: memory-bound
+    layers = layer_sequence(tree)
+    assert layers.names == ["dense", "narrow"]
+    fwd_bwd = 1 + CostOptions().backward_factor
+    for kind, bandwidth in ((device_type("V100"), 900e9), (DeviceType("NoBandwidth", 125.0, 16 * GIB), None)):
+        cluster = Cluster([Node(kind, 1, 300 * GBPS)])
+        stage = StageDevices(((next(cluster.devices()),),))
+        times = CostModel(layers, cluster).strategy([stage], 1, 1, 1).layer_times[0]
+        assert times[0] == pytest.approx(1e12 * fwd_bwd / (125e12 * 0.4))
+        expected = 2 * 1e9 * fwd_bwd / (bandwidth * 0.7) if bandwidth else 1e9 * fwd_bwd / (125e12 * 0.4)
+        assert times[1] == pytest.approx(expected)
+
+
+def test_roofline_is_taken_per_module_whatever_the_layer_granularity():
+    """A memory-bound attention beside a compute-bound MLP costs the sum of their own rooflines,
+    whether the block is one layer or two."""
+    tree = ModuleTree.from_spec({"name": "", "children": [
+        {"name": "block", "children": [{"name": "block.attn", "flops": 1e9, "op_bytes": 10**9},
+                                       {"name": "block.mlp", "flops": 1e12, "op_bytes": 10**6}]},
+        {"name": "head", "flops": 1e12}]})
+    cluster = Cluster([Node(device_type("V100"), 1, 300 * GBPS)])
+    stage = StageDevices(((next(cluster.devices()),),))
+    fwd_bwd = 1 + CostOptions().backward_factor
+    attn, mlp = 2 * 1e9 * fwd_bwd / (900e9 * 0.7), 1e12 * fwd_bwd / (125e12 * 0.4)
+    for share, names in ((0.9, ["block", "head"]), (0.1, ["block.attn", "block.mlp", "head"])):
+        layers = layer_sequence(tree, max_share=share)
+        assert layers.names == names
+        times = CostModel(layers, cluster).strategy([stage], 1, 1, 1).layer_times[0]
+        assert times[:-1].sum() == pytest.approx(attn + mlp)
 
 
 def test_mixed_stage_splits_its_batch_by_speed():

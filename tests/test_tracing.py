@@ -44,6 +44,24 @@ def test_linear_costs_match_hand_computation():
     assert tree.memory_of(first) == 4 * first.param_bytes + first.activation_bytes
 
 
+class _Scores(nn.Module):
+    """Token × token scores made in forward code: no module returns them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ x.transpose(0, 1)).softmax(-1).sum(-1)  # transpose is a view: nothing written
+
+
+def test_op_bytes_count_what_operations_write_inside_forward_code():
+    n, d = 6, 3
+    model = nn.Sequential(nn.Linear(d, d), _Scores(), nn.Unflatten(0, (n, 1)))
+    tree = trace(model, (torch.randn(n, d),))
+    linear, scores, unflatten = (tree.node(name) for name in "012")
+    assert linear.op_bytes == n * d * 4
+    assert scores.op_bytes == (n * n + n * n + n) * 4  # matmul, softmax, sum
+    assert scores.activation_bytes == n * 4  # the module's output alone
+    assert unflatten.op_bytes == 0 and tree.root.op_bytes == 0  # a view writes nothing
+
+
 def test_sequential_edges_go_from_each_layer_to_the_next_with_its_output_bytes():
     widths = [4, 8, 16, 2]
     model = nn.Sequential(*(nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False)))

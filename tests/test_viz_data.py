@@ -22,7 +22,6 @@ from smpart.tracing.tree import ModuleTree
 from smpart.viz.html import (
     embed_json,
     explorer_data,
-    plan_devices,
     plan_table,
     run_length,
     timeline_events,
@@ -224,9 +223,3 @@ def test_cli_plan_html_shows_the_best_plans_partition_on_its_devices(tmp_path) -
     assert len(devices["memory"]) == len(devices["names"]) == data["base"]["s"]
     assert set(devices["names"]) <= {"V100", "T4"} or all("×" in n for n in devices["names"])
     assert data["plans"]["rows"] and data["plans"]["notes"]
-
-
-def test_plan_devices_scales_capacity_by_tensor_parallelism() -> None:
-    plan = {"tp": 2, "stages": [{"memory_budget_bytes": 10.0, "device_types": ["A100-80"]},
-                                {"memory_budget_bytes": 5.0, "device_types": ["T4", "V100"]}]}
-    assert plan_devices(plan) == {"device_memory": [20.0, 10.0], "device_names": ["2× A100-80", "2× T4+V100"]}

@@ -36,15 +36,19 @@ GBPS = 1e9 / 8  # bytes per second in one Gbit/s
 
 @dataclass(frozen=True)
 class DeviceType:
-    """A kind of accelerator: its name, peak dense fp16/bf16 throughput and memory."""
+    """A kind of accelerator: its name, peak dense fp16/bf16 throughput, memory and (when known)
+    memory bandwidth in bytes/s, which prices layers of low arithmetic intensity."""
 
     name: str
     tflops: float
     memory_bytes: int
+    memory_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         if self.tflops <= 0 or self.memory_bytes <= 0:
             raise ConfigError(f"device type {self.name!r} needs tflops > 0 and memory > 0")
+        if self.memory_bandwidth is not None and self.memory_bandwidth <= 0:
+            raise ConfigError(f"device type {self.name!r} needs memory bandwidth > 0 (or none)")
 
     @property
     def flops(self) -> float:
@@ -55,17 +59,20 @@ class DeviceType:
         return self.memory_bytes / GIB
 
 
-#: Peak dense fp16/bf16 tensor-core throughput (no sparsity) and memory, from vendor data sheets.
+GBS = 1e9  # bytes per second in one GB/s (how memory bandwidth is quoted)
+
+#: Peak dense fp16/bf16 tensor-core throughput (no sparsity), memory and memory bandwidth, from
+#: vendor data sheets.
 PRESETS: dict[str, DeviceType] = {
     d.name: d
     for d in (
-        DeviceType("H100", 989.0, 80 * GIB),  # SXM5, bf16 dense
-        DeviceType("A100-80", 312.0, 80 * GIB),
-        DeviceType("A100-40", 312.0, 40 * GIB),
-        DeviceType("L4", 121.0, 24 * GIB),
-        DeviceType("V100", 125.0, 16 * GIB),  # SXM2 16 GB, as in AWS p3.8xlarge
-        DeviceType("T4", 65.0, 16 * GIB),
-        DeviceType("P100", 18.7, 16 * GIB),  # PCIe, fp16
+        DeviceType("H100", 989.0, 80 * GIB, 3350 * GBS),  # SXM5, bf16 dense
+        DeviceType("A100-80", 312.0, 80 * GIB, 2039 * GBS),
+        DeviceType("A100-40", 312.0, 40 * GIB, 1555 * GBS),
+        DeviceType("L4", 121.0, 24 * GIB, 300 * GBS),
+        DeviceType("V100", 125.0, 16 * GIB, 900 * GBS),  # SXM2 16 GB, as in AWS p3.8xlarge
+        DeviceType("T4", 65.0, 16 * GIB, 320 * GBS),
+        DeviceType("P100", 18.7, 16 * GIB, 732 * GBS),  # PCIe, fp16
     )
 }
 
@@ -147,12 +154,11 @@ class Cluster:
 
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
             props = torch.cuda.get_device_properties(0)
-            try:
-                preset = next(p for p in PRESETS.values() if p.name.split("-")[0] in props.name.upper())
-                tflops = preset.tflops
-            except StopIteration:
-                tflops = 100.0
-            kind = DeviceType(props.name, tflops, props.total_memory)
+            preset = next((p for p in PRESETS.values() if p.name.split("-")[0] in props.name.upper()), None)
+            if preset is None:  # an unknown GPU: a middling guess, and FLOPs alone price it
+                kind = DeviceType(props.name, 100.0, props.total_memory)
+            else:
+                kind = DeviceType(props.name, preset.tflops, props.total_memory, preset.memory_bandwidth)
             return cls([Node(kind, torch.cuda.device_count(), 300 * GBPS)])
         cores = os.cpu_count() or 1
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -226,9 +232,15 @@ class _ClusterReader:
         for name, table in self.data.get("device", {}).items():
             where = f"device.{name}"
             if not isinstance(table, dict):
-                raise self.fail(where, "must be a table with tflops and memory_gib")
+                raise self.fail(where, "must be a table with tflops and memory_gib (and memory_gbs)")
+            for key in table:
+                if key not in {"tflops", "memory_gib", "memory_gbs"}:
+                    raise self.fail(f"{where}.{key}", "unknown key; a device has tflops, memory_gib and "
+                                                      "memory_gbs")
+            bandwidth = self.number(table, "memory_gbs", where) * GBS if "memory_gbs" in table else None
             kinds[name.upper()] = DeviceType(
-                name, self.number(table, "tflops", where), int(self.number(table, "memory_gib", where) * GIB)
+                name, self.number(table, "tflops", where), int(self.number(table, "memory_gib", where) * GIB),
+                bandwidth,
             )
         return kinds
 

@@ -8,6 +8,15 @@ AMP's top-down decomposition, generalised to stages whose device groups differ:
   together: compute time = FLOPs × samples / Σ replica speed, where a replica's speed is ``tp`` ×
   its slowest device × ``efficiency``. Tensor parallelism adds Megatron's four all-reduces of the
   layer's output per layer (two forward, two backward), each ``2(tp−1)/tp · bytes / intra-node bw``.
+* **Memory-bound layers (a roofline).** A layer cannot run faster than its memory traffic
+  allows: ``max(FLOPs / speed, traffic / (memory bandwidth × bandwidth_efficiency))``, where the
+  traffic is twice the bytes its operations write (each written once, read back at least once),
+  forward and backward. FLOPs alone would price attention over thousands of tokens with narrow
+  heads (TransGAN's late layers: 4 FLOPs per byte) at a fraction of its real time; AMP profiles
+  layers for this reason, smpart uses the traced ``op_bytes``. The max is taken node by node and
+  then summed, so a layer's time does not depend on how coarsely the model was cut into layers
+  (a compute-bound MLP does not hide a memory-bound attention beside it). Devices without a known
+  memory bandwidth, and trees of measured times, are priced by FLOPs alone.
 * **Pipeline.** ``(B − 1)·max_i t_i + Σ_i t_i + Σ_boundaries e_j`` for ``B`` micro-batches, where
   ``e_j`` sends the activation forward and its gradient back over the boundary's slowest link.
 * **Data parallel.** Each stage ring-all-reduces its gradients (``2(n−1)/n · bytes / bw``, the
@@ -44,6 +53,8 @@ class CostOptions:
     activation_scale: float = 1.0
     #: Fraction of peak FLOP/s a layer achieves.
     efficiency: float = 0.4
+    #: Fraction of peak memory bandwidth a memory-bound layer achieves.
+    bandwidth_efficiency: float = 0.7
     #: Backward FLOPs as a multiple of forward FLOPs.
     backward_factor: float = 2.0
     #: Fraction of each device's memory a plan may use (the rest: CUDA context, fragmentation).
@@ -72,6 +83,16 @@ class StageDevices:
 
     def replica_speeds(self, options: CostOptions) -> np.ndarray:
         return np.array([len(r) * min(d.type.flops for d in r) * options.efficiency for r in self.replicas])
+
+    def replica_bandwidths(self, options: CostOptions) -> np.ndarray:
+        """Memory bytes/s each replica achieves (``inf`` where a device's bandwidth is unknown)."""
+        def bandwidth(replica: tuple[Device, ...]) -> float:
+            known = [d.type.memory_bandwidth for d in replica]
+            if any(b is None for b in known):
+                return np.inf
+            return len(replica) * min(known) * options.bandwidth_efficiency
+
+        return np.array([bandwidth(r) for r in self.replicas])
 
     def describe(self) -> str:
         counts: dict[str, int] = {}
@@ -116,14 +137,21 @@ class CostModel:
         if opts.pipeline not in ("interleaved", "simple"):
             raise PlanError(f"pipeline must be 'interleaved' or 'simple', got {opts.pipeline!r}")
         per_sample = 1.0 / max(opts.trace_batch, 1)
-        if layers.tree.compute_unit == "time":
+        measured = layers.tree.compute_unit == "time"
+        if measured:
             if opts.reference_flops is None:
                 raise PlanError("this tree holds measured times: pass reference_flops (FLOP/s of the "
                                 "device they were measured on) so they can be scaled to the cluster")
-            # measured fwd+bwd seconds -> equivalent fwd+bwd FLOPs
-            self.flops = layers.compute * opts.reference_flops * per_sample
+            to_flops = opts.reference_flops * per_sample  # measured fwd+bwd seconds -> fwd+bwd FLOPs
         else:
-            self.flops = layers.compute * (1 + opts.backward_factor) * per_sample
+            to_flops = (1 + opts.backward_factor) * per_sample
+        self.flops = layers.compute * to_flops
+        # node by node, for the roofline: each node's own FLOPs and own memory traffic
+        self.node_flops = layers.node_compute * to_flops
+        # each byte an op writes is read back at least once: 2 bytes of traffic, forward and backward
+        traffic = 0.0 if measured else 2.0 * opts.activation_scale * (1 + opts.backward_factor) * per_sample
+        self.node_traffic = layers.node_op_bytes * traffic
+        self._sample_times: dict[tuple[float, float], np.ndarray] = {}
         self.act = layers.activation_bytes * opts.activation_scale * per_sample
         outputs = np.array([root.activation_bytes for root in layers.roots], dtype=float)
         self.out = outputs * opts.activation_scale * per_sample
@@ -159,13 +187,27 @@ class CostModel:
 
     def _layer_times(self, stage: StageDevices, tp: int, microbatch_size: int) -> np.ndarray:
         samples = microbatch_size * len(stage.replicas)
-        compute = self.flops * samples / stage.replica_speeds(self.options).sum()
+        per_sample = np.array([self.sample_times(speed, bandwidth) for speed, bandwidth in
+                               zip(stage.replica_speeds(self.options), stage.replica_bandwidths(self.options),
+                                   strict=True)])  # (replicas, layers)
+        # each replica takes its share of the samples; the stage waits for the last to finish
+        compute = (samples * self._shares(stage)[:, None] * per_sample).max(axis=0)
         if tp == 1:
             return compute
         bandwidth = min(self.cluster.bandwidth(r[0].node, r[0].node) for r in stage.replicas)
         biggest = samples * self._shares(stage).max()
         allreduce = 4 * 2 * (tp - 1) / tp * self.out * biggest / bandwidth
         return compute + np.where(self.has_params, allreduce, 0.0)
+
+    def sample_times(self, speed: float, bandwidth: float) -> np.ndarray:
+        """Seconds per sample (forward + backward) of each layer on a replica of this FLOP/s and
+        memory bytes/s: the roofline of each node, summed per layer."""
+        key = (speed, bandwidth)
+        if key not in self._sample_times:
+            per_node = np.maximum(self.node_flops / speed, self.node_traffic / bandwidth)
+            self._sample_times[key] = np.bincount(self.layers.node_layer, per_node,
+                                                  minlength=len(self.layers))
+        return self._sample_times[key]
 
     def _replica_memory(self, stage: StageDevices, tp: int, microbatch_size: int,
                         in_flight: int) -> list[tuple[np.ndarray, float]]:

@@ -47,6 +47,17 @@ class LayerSeq:
     cut_bytes: np.ndarray
     #: Opened parent (canonical name) -> index of the layer whose stage it follows.
     parent_layer: dict[str, int] = field(default_factory=dict)
+    #: Per node of the tree (any order): its layer, own compute and own forward op bytes, for
+    #: costs that must be taken node by node before summing (the cost model's roofline).
+    node_layer: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))
+    node_compute: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    node_op_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    def __post_init__(self) -> None:
+        if not len(self.node_layer):  # no per-node costs given: one pseudo-node per layer, FLOPs only
+            self.node_layer = np.arange(len(self.roots))
+            self.node_compute = np.asarray(self.compute, dtype=float)
+            self.node_op_bytes = np.zeros(len(self.roots))
 
     def __len__(self) -> int:
         return len(self.roots)
@@ -99,7 +110,14 @@ def layer_sequence(tree: ModuleTree, max_share: float = DEFAULT_MAX_SHARE) -> La
         buffers[layer] += parent.buffer_bytes
         activations[layer] += parent.activation_bytes
     cuts = _cut_bytes(tree, roots, parent_layer)
-    return LayerSeq(tree, roots, compute, params, param_bytes, buffers, activations, cuts, parent_layer)
+    owners = _layer_of_nodes(roots, parent_layer)
+    nodes = [n for n in tree.nodes() if n.name in owners]
+    return LayerSeq(
+        tree, roots, compute, params, param_bytes, buffers, activations, cuts, parent_layer,
+        node_layer=np.array([owners[n.name] for n in nodes], dtype=int),
+        node_compute=np.array([tree.compute_of(n) for n in nodes], dtype=float),
+        node_op_bytes=np.array([n.op_bytes for n in nodes], dtype=float),
+    )
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -153,13 +171,18 @@ def _first_layer(parent: ModuleNode, index: dict[int, int]) -> ModuleNode:
     return min(below, key=lambda n: index[id(n)])
 
 
-def _cut_bytes(tree: ModuleTree, roots: list[ModuleNode], parent_layer: dict[str, int]) -> np.ndarray:
-    """Bytes crossing each cut point, from the data edges (difference array over layer spans)."""
-    num = len(roots)
+def _layer_of_nodes(roots: list[ModuleNode], parent_layer: dict[str, int]) -> dict[str, int]:
     layer_of: dict[str, int] = dict(parent_layer)
     for i, root in enumerate(roots):
         for node in root.walk():
             layer_of[node.name] = i
+    return layer_of
+
+
+def _cut_bytes(tree: ModuleTree, roots: list[ModuleNode], parent_layer: dict[str, int]) -> np.ndarray:
+    """Bytes crossing each cut point, from the data edges (difference array over layer spans)."""
+    num = len(roots)
+    layer_of = _layer_of_nodes(roots, parent_layer)
     crossing = np.zeros(num + 1)
     used = False
     for edge in tree.edges:

@@ -56,9 +56,24 @@ class Plan:
 
     @cached_property
     def partition(self) -> Partition:
-        """The model's `Partition` under this plan (the runtime runs it as is)."""
-        return self.layers.partition(self.stage_of_layer, self.pp, self.memory_weight,
-                                     meta={"made_by": "smpart.plan", "plan": self.summary()})
+        """The model's `Partition` under this plan (the runtime runs it as is).
+
+        Its ``meta`` carries each stage's devices: ``device_names`` and ``device_memory``, the
+        usable bytes of one replica of the stage — its tensor-parallel group, which holds the
+        whole stage split ``tp`` ways — so the explorer can draw every stage against its capacity.
+        """
+        meta = {"made_by": "smpart.plan", "plan": self.summary(),
+                "device_memory": self.stage_capacity(), "device_names": self.stage_labels()}
+        return self.layers.partition(self.stage_of_layer, self.pp, self.memory_weight, meta=meta)
+
+    def stage_capacity(self) -> list[float]:
+        """Per stage: the usable bytes of one tensor-parallel group (its fullest device's budget × tp)."""
+        return [budget * self.tp for _, budget in self.stage_memory]
+
+    def stage_labels(self) -> list[str]:
+        """Per stage: its devices, like ``2×V100 (node 0)``, plus the tensor-parallel degree."""
+        suffix = f", tp={self.tp}" if self.tp > 1 else ""
+        return [stage.describe() + suffix for stage in self.stages]
 
     @property
     def config(self) -> Config:

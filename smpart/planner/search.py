@@ -6,6 +6,11 @@ finds the exact best contiguous stage boundaries under the memory caps. The data
 all-reduce is added afterwards (it depends on the boundaries only through each stage's parameter
 count, and AMP adds it the same way).
 
+The layers get finer as stages multiply: with ``pp`` stages a layer may hold at most
+``1 / (4·pp)`` of the model (`layer_sequence`'s ``max_share``), so 8 equal blocks on 6 fast and 2
+half-speed stages can be cut inside a block instead of leaving the slow stages idle. Tensor-parallel
+strategies keep whole blocks: the cost model counts Megatron's all-reduces per block.
+
 Strategies are priced in order of a cheap lower bound — every layer at its fastest stage, the
 bottleneck at least the average — and a strategy whose bound cannot enter the top ``top`` (nor
 beat the best plan of its own pp=1 / tp=1 / dp=1 baseline) is skipped without solving.
@@ -54,14 +59,16 @@ def plan(
         raise PlanError(f"top must be >= 1, got {top}")
     options = _options(options, cost_options)
     started = time.perf_counter()
-    layers = layer_sequence(tree, max_share)
-    model = CostModel(layers, cluster, options)
+    models = _CostModels(tree, cluster, options, max_share)
     candidates = []
-    for strategy in enumerate_strategies(cluster, len(layers), global_batch, tp_degrees=tp_degrees,
+    for strategy in enumerate_strategies(cluster, len(tree), global_batch, tp_degrees=tp_degrees,
                                          max_microbatches=max_microbatches):
+        model = models.get(strategy.pp, strategy.tp)
+        if strategy.pp > len(model.layers):
+            continue
         costs = model.strategy(list(strategy.stages), strategy.tp, strategy.microbatch_size,
                                strategy.microbatches)
-        candidates.append((_lower_bound(costs, strategy.microbatches), strategy, costs))
+        candidates.append((_lower_bound(costs, strategy.microbatches), strategy, costs, model))
     if not candidates:
         raise PlanError(f"no strategy splits {cluster.num_devices} devices for a global batch of "
                         f"{global_batch}: it must be divisible by some data-parallel degree")
@@ -69,7 +76,7 @@ def plan(
 
     ranking = _Ranking(top)
     infeasible: list[tuple[Strategy, StrategyCosts]] = []
-    for bound, strategy, costs in candidates:
+    for bound, strategy, costs, model in candidates:
         if not ranking.worth_pricing(bound, strategy):
             continue
         try:
@@ -83,7 +90,7 @@ def plan(
         ranking.add(Plan(
             strategy.pp, strategy.tp, strategy.dp, strategy.microbatches, strategy.microbatch_size,
             strategy.stages, assignment.starts, assignment.objective + sync, assignment.objective, sync,
-            assignment.stage_times, tuple(costs.stage_memory(assignment.starts)), layers,
+            assignment.stage_times, tuple(costs.stage_memory(assignment.starts)), model.layers,
             memory_weight, options.pipeline,
         ))
     if not ranking.plans:
@@ -99,6 +106,21 @@ def _options(options: CostOptions | None, overrides: dict[str, object]) -> CostO
         raise PlanError(f"unknown plan option(s) {unknown}; cost options are {sorted(known)}")
     base = options or CostOptions()
     return CostOptions(**{**{f.name: getattr(base, f.name) for f in fields(CostOptions)}, **overrides})
+
+
+class _CostModels:
+    """One `CostModel` per layer granularity: ``max_share`` for tensor-parallel strategies, finer
+    (at most ``1 / (4·pp)`` of the model per layer) for pipelines of many stages."""
+
+    def __init__(self, tree: ModuleTree, cluster: Cluster, options: CostOptions, max_share: float) -> None:
+        self.tree, self.cluster, self.options, self.max_share = tree, cluster, options, max_share
+        self.by_share: dict[float, CostModel] = {}
+
+    def get(self, pp: int, tp: int) -> CostModel:
+        share = self.max_share if tp > 1 else min(self.max_share, 1 / (4 * pp))
+        if share not in self.by_share:
+            self.by_share[share] = CostModel(layer_sequence(self.tree, share), self.cluster, self.options)
+        return self.by_share[share]
 
 
 def _lower_bound(costs: StrategyCosts, microbatches: int) -> float:

@@ -188,6 +188,7 @@ def _make_node(
         buffer_bytes=sum(b.numel() * b.element_size() for b in buffers.values()),
         activation_bytes=sum(stats[i].activation_bytes for i in members),
         flops=float(sum(stats[i].flops for i in members)),
+        op_bytes=sum(stats[i].op_bytes for i in members),
         time_s=None,
     )
 

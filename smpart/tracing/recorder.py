@@ -45,17 +45,22 @@ class CallStats:
     #: The name the module was called under first (the one whose parent was the caller).
     called_as: str | None = None
     flops: float = 0.0
+    #: Bytes written by the module's own operations (see `smpart.tracing.op_bytes`).
+    op_bytes: int = 0
     activation_bytes: int = 0
     seconds: float = 0.0
 
 
 class _Frame:
-    __slots__ = ("index", "flops_at_entry", "child_flops", "time_at_entry", "child_seconds", "inputs")
+    __slots__ = ("index", "flops_at_entry", "child_flops", "bytes_at_entry", "child_bytes", "time_at_entry",
+                 "child_seconds", "inputs")
 
-    def __init__(self, index: int, flops: float, now: float, inputs: set[int]) -> None:
+    def __init__(self, index: int, flops: float, written: int, now: float, inputs: set[int]) -> None:
         self.index = index
         self.flops_at_entry = flops
         self.child_flops = 0.0
+        self.bytes_at_entry = written
+        self.child_bytes = 0
         self.time_at_entry = now
         self.child_seconds = 0.0
         self.inputs = inputs
@@ -78,7 +83,8 @@ class CallRecorder:
     """Hooks on ``modules`` that fill one `CallStats` per module and the data-flow edges.
 
     ``names[i]`` lists every qualified name of ``modules[i]``. ``total_flops`` returns the running
-    FLOP count (or 0), ``clock`` the current time in seconds (synchronising the device first
+    FLOP count (or 0), ``total_bytes`` the running count of bytes operations wrote (or 0),
+    ``clock`` the current time in seconds (synchronising the device first
     when it must). ``example_inputs`` are the tensors the model itself was called with.
     """
 
@@ -88,6 +94,7 @@ class CallRecorder:
         names: list[list[str]],
         example_inputs: Iterable[torch.Tensor] = (),
         total_flops: Callable[[], float] = lambda: 0.0,
+        total_bytes: Callable[[], int] = lambda: 0,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.modules = modules
@@ -100,6 +107,7 @@ class CallRecorder:
         self._example_inputs = {id(t) for t in example_inputs}
         self._produced_by: dict[int, tuple[torch.Tensor, int]] = {}
         self._total_flops = total_flops
+        self._total_bytes = total_bytes
         self._clock = clock
         self._first_calls = 0
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -139,7 +147,8 @@ class CallRecorder:
             source = self._source_of(t, caller)
             if source != i:
                 self.edges[source, i] += nbytes(t)
-        self.stack.append(_Frame(i, self._total_flops(), self._clock(), {id(t) for t in inputs}))
+        self.stack.append(_Frame(i, self._total_flops(), self._total_bytes(), self._clock(),
+                                 {id(t) for t in inputs}))
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         i = self.index[id(module)]
@@ -147,12 +156,15 @@ class CallRecorder:
         while frame.index != i and self.stack:  # a child raised and its caller caught the error
             frame = self.stack.pop()
         flops = self._total_flops() - frame.flops_at_entry
+        written = self._total_bytes() - frame.bytes_at_entry
         seconds = self._clock() - frame.time_at_entry
         stats = self.stats[i]
         stats.flops += flops - frame.child_flops
+        stats.op_bytes += written - frame.child_bytes
         stats.seconds += seconds - frame.child_seconds
         if self.stack:
             self.stack[-1].child_flops += flops
+            self.stack[-1].child_bytes += written
             self.stack[-1].child_seconds += seconds
         for t in tensors_in(output):
             if id(t) not in self._produced_by:

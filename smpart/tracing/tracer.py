@@ -31,6 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from smpart.errors import ConfigError, TraceError
 from smpart.tracing.grouping import ModuleInventory, build_edges, build_nodes
+from smpart.tracing.op_bytes import OpBytesCounter
 from smpart.tracing.recorder import CallRecorder, nbytes, tensors_in
 from smpart.tracing.tree import DEFAULT_PARAM_MEMORY_FACTOR, ModuleTree
 
@@ -133,16 +134,19 @@ def _forward(model, inventory, args, kwargs, device, home, *, count_flops=False,
     except RuntimeError as err:
         raise TraceError(f"cannot move the example inputs to {device}: {err}") from err
     counter = FlopCounterMode(display=False) if count_flops else None
+    written = OpBytesCounter() if count_flops else None
     recorder = CallRecorder(
         inventory.modules,
         inventory.names,
         example_inputs=tensors_in((args, kwargs)),
         total_flops=counter.get_total_flops if counter else _zero,
+        total_bytes=written.get_total_bytes if written else _zero,
         clock=clock,
     )
     param_swap, buffer_swap = _substitutes(device, home)
     with _swapped_weights(inventory.modules, param_swap, buffer_swap), recorder, \
-            counter or contextlib.nullcontext(), torch.set_grad_enabled(grad):
+            counter or contextlib.nullcontext(), written or contextlib.nullcontext(), \
+            torch.set_grad_enabled(grad):
         try:
             output = model(*args, **kwargs)
         except Exception as err:

@@ -48,6 +48,9 @@ class ModuleNode:
     activation_bytes: int = 0
     #: Forward FLOPs of the node's own computation (children excluded), summed over calls.
     flops: float = 0.0
+    #: Bytes its own forward operations wrote (every op's fresh output, views excluded), summed
+    #: over calls: with ``flops``, the arithmetic intensity a roofline time estimate needs.
+    op_bytes: int = 0
     #: Measured forward+backward seconds of the node's own computation, when measured.
     time_s: float | None = None
 
@@ -83,6 +86,7 @@ class ModuleNode:
             "buffer_bytes": self.buffer_bytes,
             "activation_bytes": self.activation_bytes,
             "flops": self.flops,
+            "op_bytes": self.op_bytes,
             "time_s": self.time_s,
         }
         out["children"] = [child.to_dict() for child in self.children]

@@ -194,20 +194,6 @@ def _checked_tree(partition: Partition, tree: ModuleTree | None) -> ModuleTree:
     return tree
 
 
-def plan_devices(plan: Any) -> dict[str, list[Any]]:
-    """``{"device_memory", "device_names"}`` for a plan's partition's ``meta``, read from the
-    planner's ``to_dict()``: each stage's usable bytes per device times its tensor-parallel
-    degree (the stage's weights and activations are split over that many devices)."""
-    data = plan.to_dict() if hasattr(plan, "to_dict") else plan
-    tp = int(data.get("tp", 1) or 1)
-    memory, names = [], []
-    for stage in data.get("stages", []):
-        memory.append(float(stage["memory_budget_bytes"]) * tp)
-        kinds = "+".join(stage.get("device_types") or ["device"])
-        names.append(f"{tp}× {kinds}" if tp > 1 else kinds)
-    return {"device_memory": memory, "device_names": names}
-
-
 def _devices(partition: Partition) -> dict[str, Any] | None:
     memory = partition.meta.get("device_memory")
     if not memory:

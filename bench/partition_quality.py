@@ -4,7 +4,8 @@ For each zoo model (traced on the meta device at a realistic size) and 2, 4 and 
 prints ``max stage FLOPs / max(total / stages, heaviest single node)`` (1.00 is optimal; the
 bound counts every node, internal ones included) for:
 
-* **smpart**: ``smpart.partition(tree, stages, memory_weight=0)``;
+* **smpart**: ``smpart.partition(tree, stages, memory_weight=0)``, and which of its candidates
+  won (``tree`` walk, exact ``leaf-sequence`` cut, ``reuse-aware`` placement of a reused layer);
 * **tree walk**: the paper's recursive walk alone (the candidate smpart compares against);
 * **uniform**: an equal number of layers per stage (DeepSpeed's ``partition_method="uniform"``);
 * **params**: layers cut so that parameter counts balance (DeepSpeed's ``"parameters"``);
@@ -45,7 +46,7 @@ SIZES = {
     "t5": dict(vocab_size=32128, src_len=512, tgt_len=128, n_layer=12, n_head=8, n_embd=512, batch_size=1),
     "moe": dict(vocab_size=32000, seq_len=512, n_layer=12, n_head=8, n_embd=512, n_experts=8, batch_size=2),
     "resnet": dict(widths=(64, 128, 256, 512), blocks_per_stage=3, image_size=64, batch_size=8),
-    "transgan": dict(wide=1024, narrow=16, image_size=8, wide_heads=16, narrow_heads=1, batch_size=4),
+    "transgan": dict(wide=1024, narrow=16, bottom_width=9, wide_heads=16, narrow_heads=1, batch_size=4),
     "albert": dict(vocab_size=30000, seq_len=512, embedding_size=128, n_embd=768, n_head=12, n_repeat=12,
                    batch_size=1),
 }
@@ -57,8 +58,9 @@ REAL_DEVICE = {"moe": "cpu"}
 def main() -> None:
     console = Console()
     table = Table(title="slowest stage compute / lower bound (1.00 = optimal), memory_weight=0")
-    for column in ("model", "nodes", "stages", "smpart", "tree walk", "uniform", "params", "seconds"):
-        table.add_column(column, justify="left" if column == "model" else "right")
+    columns = ("model", "nodes", "stages", "smpart", "method", "tree walk", "uniform", "params", "seconds")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("model", "method") else "right")
     for name, factory in models.ZOO.items():
         device = REAL_DEVICE.get(name, "meta")
         example = factory(**SIZES.get(name, {}), device=device)
@@ -75,6 +77,7 @@ def main() -> None:
                 str(len(tree)) if stages == STAGES[0] else "",
                 str(stages),
                 _ratio(max(part.stage_compute) / bound, name, stages),
+                part.meta["method"],
                 f"{walk:.3f}",
                 _baseline(tree, layers, stages, bound, uniform_cuts),
                 _baseline(tree, layers, stages, bound, parameter_cuts),

@@ -48,6 +48,7 @@ def partition(
         "max_stage_cost": outcome.max_stage_cost,
         "candidates": outcome.candidates,
         "pins": dict(pin or {}),
+        **outcome.notes,
     }
     return Partition(tree, outcome.node_stage, num_stages, float(memory_weight), meta=meta)
 

@@ -1,4 +1,4 @@
-"""The SageMaker tree partitioner, plus an exact leaf-sequence cut to keep it honest.
+"""The SageMaker tree partitioner, plus an exact leaf-sequence cut to keep it honest, plus reuse.
 
 **The tree walk (the paper's algorithm).** Every node ``n`` carries a list of devices ``P(n)``
 (the root gets all stages). Nodes are visited breadth-first; ``n`` itself lives on ``P(n)[0]``.
@@ -22,12 +22,21 @@ it (a parent's own cost and its uncalled children are charged to its first calle
 its parent's unit when it has none. The segmentation DP then splits the units into exactly
 ``num_stages`` non-empty pieces, with the load of pinned modules preloaded on their stages.
 
-Both answers are scored, and the better one is kept: first a partition that leaves a stage empty
-loses; then one whose call-ordered leaves step back to an earlier stage loses (a pipeline flows
-one way; the walk's "no device: stay with the parent" rule can send a late module back to the
-parent's stage); then the heavier heaviest stage loses (own costs summed per stage). The tree
-walk wins exact ties. Stages are numbered in pipeline order: the stage holding the earliest call
-is stage 0.
+**Reused subtrees (beyond the paper).** A module called several times (ALBERT's shared layer)
+runs its units again and again, so once they span two stages the flow loops back at every
+repeat whatever their order: contiguity buys nothing there. Its units, the *loop units*, may go
+to any stage; the other units, the *ordered units*, stay contiguous in call order. The
+*reuse-aware* candidate searches the loop units' stages with the ordered units cut exactly
+around them (`smpart.partition.reuse`). It is only tried when the model has a reused subtree
+with two or more units; a plain sequential model keeps its contiguous stages.
+
+The answers are scored, and the best one is kept: first a partition that leaves a stage empty
+loses; then one whose ordered units step back to an earlier stage loses (a pipeline flows one
+way; the walk's "no device: stay with the parent" rule can send a late module back to the
+parent's stage; loop units are not counted, their back-edges are the model's own); then the
+heavier heaviest stage loses (own costs summed per stage). Ties go to the earlier candidate in
+the order tree walk, leaf sequence, reuse-aware. Stages are numbered in pipeline order: the
+stage holding the earliest ordered call is stage 0.
 
 **Pins** (``{node name: stage}``) fix a node and its subtree before anything else runs (a pin
 deeper in a pinned subtree overrides it there). Pinned subtrees are taken out of the balancing:
@@ -44,10 +53,11 @@ from itertools import pairwise
 
 from smpart.errors import PartitionError
 from smpart.partition.dhondt import dhondt
+from smpart.partition.reuse import loop_unit_names, place_loop_units
 from smpart.partition.segment import min_max_segments
 from smpart.tracing.tree import ModuleNode, ModuleTree
 
-#: The leaf sequence must beat the tree walk by more than this (relative) to be chosen, so that
+#: A later candidate must beat an earlier one by more than this (relative) to be chosen, so that
 #: rounding noise never flips the answer.
 _TIE_TOLERANCE = 1e-9
 
@@ -60,6 +70,8 @@ class PartitionOutcome:
     method: str
     max_stage_cost: float
     candidates: dict[str, float] = field(default_factory=dict)
+    #: Extra facts for ``Partition.meta`` (how many loop units; whether their search was exact).
+    notes: dict[str, object] = field(default_factory=dict)
 
 
 def partition_tree(
@@ -83,21 +95,30 @@ def partition_tree(
             f"stage(s) to fill, so some stage would hold nothing; use num_stages <= "
             f"{num_stages - to_fill + len(units)} (or pin fewer modules)"
         )
+    loop = loop_unit_names(tree.root, units)
+    ordered = [u for u in units if u.name not in loop]
     candidates = {
         "tree": _tree_walk(tree, costs, num_stages, fixed, renumber=not pinned),
         "leaf-sequence": _leaf_sequence(tree, costs, num_stages, fixed, units),
     }
-    scores = {name: _score(stages, costs, num_stages, units) for name, stages in candidates.items()}
-    *tree_flaws, tree_cost = scores["tree"]
-    *seq_flaws, seq_cost = scores["leaf-sequence"]
+    notes: dict[str, object] = {}
+    if loop:
+        candidates["reuse-aware"], exact = _reuse_aware(
+            tree, costs, num_stages, fixed, units, loop, candidates["leaf-sequence"], renumber=not pinned
+        )
+        notes = {"loop_units": len(loop), "loop_search": "exact" if exact else "heuristic"}
+    scores = {name: _score(stages, costs, num_stages, ordered) for name, stages in candidates.items()}
     best = "tree"
-    if (*seq_flaws, seq_cost * (1 + _TIE_TOLERANCE)) < (*tree_flaws, tree_cost):
-        best = "leaf-sequence"
+    for name, (*flaws, cost) in scores.items():
+        *best_flaws, best_cost = scores[best]
+        if (*flaws, cost * (1 + _TIE_TOLERANCE)) < (*best_flaws, best_cost):
+            best = name
     return PartitionOutcome(
         node_stage=candidates[best],
         method=best,
         max_stage_cost=scores[best][-1],
         candidates={name: score[-1] for name, score in scores.items()},
+        notes=notes,
     )
 
 
@@ -247,18 +268,75 @@ def _leaf_sequence(
 ) -> dict[str, int]:
     """Exact min-max cut of the call-ordered units, every other free node riding with its anchor."""
     anchor = _anchors(tree.root, fixed, units)
-    position = {u.name: i for i, u in enumerate(units)}
-    unit_cost = [0.0] * len(units)
+    unit_cost = _unit_costs(anchor, costs)
+    segmentation = min_max_segments(
+        [unit_cost[u.name] for u in units], num_stages, preload=_pin_loads(fixed, costs, num_stages)
+    )
+    unit_stage = dict(zip((u.name for u in units), segmentation.stage_of_items(), strict=True))
+    return _spread_units(anchor, unit_stage, fixed)
+
+
+# ---------------------------------------------------------------- reuse-aware
+
+
+def _reuse_aware(
+    tree: ModuleTree,
+    costs: dict[str, float],
+    num_stages: int,
+    fixed: dict[str, int],
+    units: list[ModuleNode],
+    loop: set[str],
+    contiguous: dict[str, int],
+    *,
+    renumber: bool,
+) -> tuple[dict[str, int], bool]:
+    """Loop units on any stage, ordered units cut contiguously around them (`smpart.partition.reuse`).
+
+    ``contiguous`` (the leaf-sequence answer) seeds the search. Returns the stages and whether
+    the search proved them optimal under the rule.
+    """
+    anchor = _anchors(tree.root, fixed, units)
+    unit_cost = _unit_costs(anchor, costs)
+    ordered = [u.name for u in units if u.name not in loop]
+    looped = [u.name for u in units if u.name in loop]
+    placement = place_loop_units(
+        [unit_cost[name] for name in ordered],
+        [unit_cost[name] for name in looped],
+        num_stages,
+        _pin_loads(fixed, costs, num_stages),
+        seed=[contiguous[name] for name in looped],
+    )
+    unit_stage = dict(zip(looped, placement.loop_stage, strict=True))
+    unit_stage.update(zip(ordered, placement.ordered_stage, strict=True))
+    stage = _spread_units(anchor, unit_stage, fixed)
+    if renumber:
+        stage = _renumber_by_first_call(tree, stage, leading=set(ordered))
+    return stage, placement.exact
+
+
+def _unit_costs(anchor: dict[str, str], costs: dict[str, float]) -> dict[str, float]:
+    """Each unit's cost: its own plus that of every node riding with it."""
+    total: dict[str, float] = {}
     for name, unit in anchor.items():
-        unit_cost[position[unit]] += costs[name]
+        total[unit] = total.get(unit, 0.0) + costs[name]
+    return total
+
+
+def _pin_loads(fixed: dict[str, int], costs: dict[str, float], num_stages: int) -> list[float | None]:
+    """Load pinned on each stage, None where nothing is pinned (that stage needs a unit)."""
     preload: list[float | None] = [None] * num_stages
     for name, s in fixed.items():
         preload[s] = (preload[s] or 0.0) + costs[name]
-    segmentation = min_max_segments(unit_cost, num_stages, preload=preload)
-    unit_stage = segmentation.stage_of_items()
+    return preload
+
+
+def _spread_units(
+    anchor: dict[str, str], unit_stage: dict[str, int], fixed: dict[str, int]
+) -> dict[str, int]:
+    """Stage of every node: pinned ones as pinned, the rest with their unit."""
     stage = dict(fixed)
     for name, unit in anchor.items():
-        stage[name] = unit_stage[position[unit]]
+        stage[name] = unit_stage[unit]
     return stage
 
 
@@ -291,27 +369,37 @@ def _anchors(root: ModuleNode, fixed: dict[str, int], units: list[ModuleNode]) -
 
 
 def _score(
-    stage: dict[str, int], costs: dict[str, float], num_stages: int, units: list[ModuleNode]
+    stage: dict[str, int], costs: dict[str, float], num_stages: int, ordered: list[ModuleNode]
 ) -> tuple[bool, bool, float]:
-    """(leaves a stage empty, leaves out of pipeline order, heaviest stage's cost): lower is better."""
+    """(leaves a stage empty, ordered units out of pipeline order, heaviest stage's cost): lower is better."""
     loads = [0.0] * num_stages
     used = [False] * num_stages
     for name, s in stage.items():
         loads[s] += costs[name]
         used[s] = True
-    along = [stage[u.name] for u in units]
+    along = [stage[u.name] for u in ordered]
     steps_back = any(later < earlier for earlier, later in pairwise(along))
     return (not all(used), steps_back, max(loads))
 
 
-def _renumber_by_first_call(tree: ModuleTree, stage: dict[str, int]) -> dict[str, int]:
-    """Renumber stages so that the stage holding the earliest call is 0, the next one 1, ..."""
+def _renumber_by_first_call(
+    tree: ModuleTree, stage: dict[str, int], leading: set[str] | None = None
+) -> dict[str, int]:
+    """Renumber stages so that the stage holding the earliest call is 0, the next one 1, ...
+
+    With ``leading`` (the ordered units), a stage holding any of them is placed by its earliest
+    one, so their order survives; a stage holding none is placed by its earliest call.
+    """
     first = {s: math.inf for s in set(stage.values())}
+    lead = dict(first)
     for node in tree.nodes():
         if node.call_order is not None:
             s = stage[node.name]
             first[s] = min(first[s], node.call_order)
-    ordered = sorted(first, key=lambda s: (first[s], s))
+            if leading is not None and node.name in leading:
+                lead[s] = min(lead[s], node.call_order)
+    key = {s: lead[s] if lead[s] < math.inf else first[s] for s in first}
+    ordered = sorted(key, key=lambda s: (key[s], s))
     slots = sorted(first)  # stages in use keep their set of numbers, only the order changes
     mapping = dict(zip(ordered, slots, strict=True))
     return {name: mapping[s] for name, s in stage.items()}

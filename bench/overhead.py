@@ -6,7 +6,11 @@
    (step time with n calls - step time with 0 calls) / n = one forward+backward round trip
    (goal < 100 µs); median over several steps.
 2. A 4-layer MLP step pipelined over 2 stages (4 micro-batches) vs the same model unsplit in one
-   thread (one full-batch forward+backward), medians.
+   thread: one full-batch forward+backward, and the same 4 micro-batches one after the other (the
+   fair baseline: the pipeline's own work, without the pipeline), medians. Once with torch's
+   default intra-op threads and once with one: torch's intra-op thread count is process-wide,
+   so every stage thread runs its kernels on that many threads, and stages sharing a CPU
+   oversubscribe it (on CPU give each stage ``cores // stages`` threads).
 
     .venv/bin/python bench/overhead.py [--calls 200] [--steps 7]
 """
@@ -83,17 +87,33 @@ def mlp(width: int = 1024, depth: int = 4) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def mlp_comparison(steps: int, batch: int = 256) -> tuple[float, float]:
+def timed(fn, steps: int) -> float:
+    """Median seconds of ``fn()`` over ``steps`` calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def mlp_comparison(steps: int, batch: int = 256, microbatches: int = 4) -> dict[str, float]:
+    """The same MLP step three ways: unsplit on the full batch, unsplit over the same micro-batches
+    one after the other in one thread (the pipeline's own work without the pipeline: the fair
+    baseline), and pipelined over 2 stages."""
     torch.manual_seed(0)
     plain = mlp()
     x = torch.randn(batch, 1024)
-    times = []
-    for _ in range(steps + 1):
-        start = time.perf_counter()
+
+    def unsplit():
         plain(x).square().mean().backward()
-        times.append(time.perf_counter() - start)
-    unsplit = statistics.median(times[1:])
-    smpart.init(pipeline_parallel_degree=2, microbatches=4)
+
+    def unsplit_microbatches():
+        for piece in x.chunk(microbatches):
+            (plain(piece).square().mean() / microbatches).backward()
+
+    smpart.init(pipeline_parallel_degree=2, microbatches=microbatches)
     model = smpart.DistributedModel(mlp())
 
     @smpart.step
@@ -102,14 +122,11 @@ def mlp_comparison(steps: int, batch: int = 256) -> tuple[float, float]:
         model.backward(loss)
         return loss
 
-    mlp_step(model, x)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        mlp_step(model, x)
-        times.append(time.perf_counter() - start)
-    smpart.shutdown()
-    return unsplit, statistics.median(times)
+    try:
+        return {"unsplit": timed(unsplit, steps), "micro-batched": timed(unsplit_microbatches, steps),
+                "pipelined": timed(lambda: mlp_step(model, x), steps)}
+    finally:
+        smpart.shutdown()
 
 
 def main() -> None:
@@ -119,10 +136,16 @@ def main() -> None:
     a = parser.parse_args()
     rt = round_trip(a.calls, a.steps)
     print(f"cross-stage forward+backward round trip (4 floats): {rt * 1e6:.0f} µs  (goal < 100 µs)")
-    unsplit, pipelined = mlp_comparison(a.steps)
-    print(f"MLP 4x1024, batch 256: unsplit one thread {unsplit * 1e3:.1f} ms, pipelined 2 stages x 4 "
-          f"micro-batches {pipelined * 1e3:.1f} ms (x{pipelined / unsplit:.2f}; both stages share this CPU)")
-
+    default_threads = torch.get_num_threads()
+    print("MLP 4x1024, batch 256, 4 micro-batches, 2 stages (both on this CPU), median step times:")
+    for threads in sorted({default_threads, 1}, reverse=True):
+        torch.set_num_threads(threads)
+        t = mlp_comparison(a.steps)
+        print(f"  torch intra-op threads {threads}: unsplit {t['unsplit'] * 1e3:.1f} ms, unsplit over the 4 "
+              f"micro-batches in one thread {t['micro-batched'] * 1e3:.1f} ms, pipelined "
+              f"{t['pipelined'] * 1e3:.1f} ms (x{t['pipelined'] / t['micro-batched']:.2f} the micro-batched "
+              f"one, x{t['pipelined'] / t['unsplit']:.2f} the unsplit one)")
+    torch.set_num_threads(default_threads)
 
 if __name__ == "__main__":
     main()

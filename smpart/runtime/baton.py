@@ -9,16 +9,21 @@ when it waits on another stage, and the baton then goes to the best ready ticket
 Tickets are taken by the thread receiving the stage's messages, in arrival order, not by the
 threads doing the work when they happen to wake up, so the order work runs in does not depend
 on thread timing: micro-batches pass each stage in order, which keeps BatchNorm statistics
-identical to an unsplit run. A stage has two batons: one for compute, one for the glue code of
-calls resuming after another stage answered (`ExecutionServer.enter_compute`).
+identical to an unsplit run. Messages that arrived together are admitted under `deferred`, so
+the best of them wins, not the first. A stage has two batons: one for compute, one for the glue
+code of calls resuming after another stage answered (`ExecutionServer.enter_compute`).
+
+A ticket is signalled through a bare lock (created held, released once to wake its waiter):
+tickets are taken for every message, and a lock costs a fraction of a `threading.Event`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 POLL_S = 0.05
 
@@ -34,15 +39,38 @@ class TimedOut(Exception):
 class Ticket:
     """A claim on the baton by one piece of work of ``kind`` for ``microbatch``."""
 
-    __slots__ = ("kind", "microbatch", "arrival", "granted", "cancelled", "payload")
+    __slots__ = ("kind", "microbatch", "arrival", "granted", "cancelled", "payload", "_signal")
 
     def __init__(self, kind: str, microbatch: int) -> None:
         self.kind = kind
         self.microbatch = microbatch
         self.arrival = 0
-        self.granted = threading.Event()
+        self.granted = False
         self.cancelled = False
         self.payload = None
+        self._signal = threading.Lock()
+        self._signal.acquire()
+
+    def grant(self) -> None:
+        self.granted = True
+        self._wake()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._wake()
+
+    def block(self, timeout_s: float) -> None:
+        """Sleep until granted or cancelled, at most ``timeout_s``."""
+        if not (self.granted or self.cancelled) and self._signal.acquire(timeout=timeout_s):
+            self._signal.release()  # stay signalled: later checks must not block
+
+    def _wake(self) -> None:
+        with contextlib.suppress(RuntimeError):  # already woken (granted, then cancelled)
+            self._signal.release()
+
+
+#: ``serve(timeout_s)``: do the stage's receiving while a ticket waits; False if this thread cannot.
+Serve = Callable[[float], bool]
 
 
 class Baton:
@@ -54,6 +82,7 @@ class Baton:
         self._waiting: list[Ticket] = []
         self._arrival = itertools.count()
         self._last_kind: str | None = None
+        self._deferred = False
         self._rank: Callable[[str, int, str | None], tuple] = lambda kind, mb, last: (mb,)
         self._ready: Callable[[str], bool] = lambda kind: True
 
@@ -78,10 +107,26 @@ class Baton:
     def take(self, kind: str, microbatch: int) -> Ticket:
         return self.enqueue(self.ticket(kind, microbatch))
 
-    def wait(self, ticket: Ticket, timeout_s: float, what: Callable[[], str]) -> None:
-        """Block until ``ticket`` holds the baton; raise `Cancelled` or `TimedOut` instead."""
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Grant nothing until the block ends (tickets enqueued in it compete with each other)."""
+        with self._lock:
+            self._deferred = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._deferred = False
+                self._grant()
+
+    def wait(self, ticket: Ticket, timeout_s: float, what: Callable[[], str],
+             serve: Serve | None = None) -> None:
+        """Block until ``ticket`` holds the baton; raise `Cancelled` or `TimedOut` instead.
+
+        While it waits, the thread may do the stage's receiving (``serve``) instead of sleeping.
+        """
         deadline = time.monotonic() + timeout_s
-        while not ticket.granted.wait(POLL_S):
+        while not ticket.granted:
             if ticket.cancelled:
                 raise Cancelled()
             if time.monotonic() > deadline:
@@ -90,6 +135,8 @@ class Baton:
                         self._waiting.remove(ticket)
                         raise TimedOut(what())
                 return  # granted just now
+            if serve is None or not serve(POLL_S):
+                ticket.block(POLL_S)
         if ticket.cancelled:
             self.release(ticket)
             raise Cancelled()
@@ -110,18 +157,22 @@ class Baton:
         """Wake every waiting ticket with `Cancelled` (the step was aborted)."""
         with self._lock:
             for ticket in self._waiting:
-                ticket.cancelled = True
-                ticket.granted.set()
+                ticket.cancel()
             self._waiting.clear()
 
     def _grant(self) -> None:
-        if self._holder is not None or not self._waiting:
+        if self._holder is not None or not self._waiting or self._deferred:
             return
-        ready = [t for t in self._waiting if self._ready(t.kind)]
-        if not ready:
+        waiting = self._waiting
+        if len(waiting) == 1:  # the common case: no choice to make
+            best = waiting[0] if self._ready(waiting[0].kind) else None
+        else:
+            ready = [t for t in waiting if self._ready(t.kind)]
+            best = min(ready, key=lambda t: (*self._rank(t.kind, t.microbatch, self._last_kind), t.arrival),
+                       default=None)
+        if best is None:
             return
-        best = min(ready, key=lambda t: (*self._rank(t.kind, t.microbatch, self._last_kind), t.arrival))
-        self._waiting.remove(best)
+        waiting.remove(best)
         self._holder = best
         self._last_kind = best.kind
-        best.granted.set()
+        best.grant()

@@ -59,7 +59,8 @@ class _Arrive(torch.autograd.Function):
         ctx.post, ctx.routes = post, routes
         ctx.set_materialize_grads(False)
         outputs = tuple(t.detach() for t in tensors)
-        ctx.mark_non_differentiable(*(o for o, needed in zip(outputs, needs_grad, strict=True) if not needed))
+        if not all(needs_grad):
+            ctx.mark_non_differentiable(*(o for o, need in zip(outputs, needs_grad, strict=True) if not need))
         return outputs
 
     @staticmethod
@@ -103,12 +104,6 @@ def walk(value: Any, visit: Callable[[torch.Tensor], Any], what: Callable[[], st
     return pytree.tree_unflatten([walk(leaf, visit, what) for leaf in leaves], spec)
 
 
-def tensors_in(value: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    walk(value, found.append)
-    return found
-
-
 class Departure(NamedTuple):
     """What the sender of a value keeps: ``kept[i]`` is tensor ``i`` if a gradient message may
     come back for it (None otherwise; ``kept`` is None when none may), and ``forwarded`` the
@@ -141,21 +136,26 @@ def arrive(value: Any, device: torch.device | None, route: Callable[[int], Route
     Tensors that required grad on the sending side require grad here; the gradient of tensor
     ``i`` is posted along ``route(i)``. With ``route`` None (grad disabled) they are only detached.
     """
-    originals: list[torch.Tensor] = []
+    needs_grad: list[bool] = []
+    fresh: list[torch.Tensor] = []
 
     def detach(tensor: torch.Tensor) -> torch.Tensor:
-        originals.append(tensor)
-        return _detached(tensor, device)
+        needs_grad.append(tensor.requires_grad)
+        fresh.append(_detached(tensor, device))
+        return fresh[-1]
 
     detached = walk(value, detach)
-    needs_grad = [t.requires_grad for t in originals]
     if route is None or not any(needs_grad):
         return detached
-    routes = [route(i) for i in range(len(originals))]
+    routes = [route(i) for i in range(len(fresh))]
     anchor = torch.empty(0, requires_grad=True)
-    arrived = iter(_Arrive.apply(post, routes, needs_grad, anchor, *tensors_in(detached)))
-    result = walk(detached, lambda _: next(arrived))
-    for tensor, each, needed in zip(tensors_in(result), routes, needs_grad, strict=True):
+    arrived = _Arrive.apply(post, routes, needs_grad, anchor, *fresh)
+    if detached is fresh[0]:  # the value is one tensor (the common case): no rebuild
+        result = arrived[0]
+    else:
+        rest = iter(arrived)
+        result = walk(detached, lambda _: next(rest))
+    for tensor, each, needed in zip(arrived, routes, needs_grad, strict=True):
         if needed:
             tensor.__dict__[_ROUTE_ATTR] = (each, tensor._version)
     return result

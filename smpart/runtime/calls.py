@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -62,15 +61,25 @@ def current_frame() -> Frame | None:
     return getattr(_local, "frame", None)
 
 
-@contextlib.contextmanager
-def running(frame: Frame) -> Iterator[Frame]:
-    """Run the block as ``frame`` (frames nest: the previous one is restored after)."""
-    previous = current_frame()
-    _local.frame = frame
-    try:
-        yield frame
-    finally:
-        _local.frame = previous
+class running:  # noqa: N801 - used like a function: ``with running(frame):``
+    """Run the block as ``frame`` (frames nest: the previous one is restored after).
+
+    A class rather than a generator-based context manager: it is entered for every message.
+    """
+
+    __slots__ = ("frame", "previous")
+
+    def __init__(self, frame: Frame) -> None:
+        self.frame = frame
+        self.previous: Frame | None = None
+
+    def __enter__(self) -> Frame:
+        self.previous = current_frame()
+        _local.frame = self.frame
+        return self.frame
+
+    def __exit__(self, *exc: object) -> None:
+        _local.frame = self.previous
 
 
 class StagedForward:

@@ -9,7 +9,8 @@ no gradient message of its micro-batch is in flight, serving the ones addressed 
 created in the body that require grad).
 
 Drivers make their first model call in micro-batch order (a turnstile), so micro-batches enter
-the pipeline in order whatever the thread timing.
+the pipeline in order whatever the thread timing. Every driver starts with the step and first
+waits for one of the schedule's in-flight slots (`StepRun.wait_for_slot`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from smpart.errors import PipelineError, SmpartError
 from smpart.runtime import boundary
 from smpart.runtime.baton import POLL_S, Cancelled
 from smpart.runtime.calls import Frame, as_pipeline_error, running
-from smpart.runtime.gradients import CallRecords, backpropagate, gradient_poster
+from smpart.runtime.gradients import CallRecords, backpropagate, gradient_poster, held_posts
 from smpart.runtime.messages import (
     BackwardRequest,
     ForwardRequest,
@@ -58,7 +59,10 @@ class Driver:
     def main(self) -> None:
         run, mb = self.run, self.microbatch
         finished = MicrobatchFinished(run.step, mb)
+        slot = False
         try:
+            run.wait_for_slot(mb)
+            slot = True
             with running(Frame(self, run.step, mb)):
                 result = run.fn(*self.args, **self.kwargs)
             self.pass_turn()
@@ -71,6 +75,8 @@ class Driver:
             finished.error = err if isinstance(err, SmpartError) else as_pipeline_error(
                 err, None, None, mb, "step")
         finally:
+            if slot:
+                run.free_slot()  # first: the next micro-batch's start is on the critical path
             self._advance_turn()
             self.run.transport.close(self.address)
             self.run.broadcast(Release(run.step, mb))
@@ -145,7 +151,11 @@ class Driver:
         self.finish_forward()
         scale = 1.0 / self.run.microbatches if self.run.average_grads else 1.0
         grad = torch.ones_like(loss) if grad is None else grad
-        torch.autograd.backward(loss, grad * scale)
+        held = held_posts()
+        try:
+            torch.autograd.backward(loss, grad * scale)
+        finally:
+            held.flush()
 
     def finish_forward(self) -> None:
         if not self.forward_done:
@@ -164,10 +174,12 @@ class Driver:
         self._check(deadline, waiting_for)
         message = self.run.transport.receive(self.address, POLL_S)
         if isinstance(message, BackwardRequest | GradResponse):
+            held = held_posts()
             try:
                 backpropagate([(self.sent, [message])])
             finally:
                 self.run.pending.done(self.microbatch)
+                held.flush()
             return None
         return message
 

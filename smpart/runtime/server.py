@@ -21,7 +21,9 @@ Why several threads and not the classic re-entrant loop (the waiting call servin
 its own stack)? Frames on one stack can only resume last-in first-out: with a root module on
 stage 0 orchestrating every stage, micro-batch 0's root would wait under micro-batch 1's, 2's...
 and the pipeline would run one micro-batch at a time. One thread per waiting call lets any of
-them resume, while the baton keeps the stage running one thing at a time.
+them resume, while the baton keeps the stage running one thing at a time. A waiting call does
+receive for its stage while it holds the turn (`LeaderFollowers.serve`), but it only admits:
+work it cannot run on its own stack goes to another thread, so nothing waits under it.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from smpart.errors import PipelineError
 from smpart.runtime import boundary
 from smpart.runtime.baton import Baton, Cancelled, Ticket, TimedOut
 from smpart.runtime.calls import Frame, StagedForward, as_pipeline_error, running
-from smpart.runtime.gradients import CallRecords, backpropagate, gradient_poster, module_of
+from smpart.runtime.gradients import CallRecords, backpropagate, gradient_poster, held_posts, module_of
 from smpart.runtime.messages import (
     Abort,
     BackwardRequest,
@@ -123,8 +125,8 @@ class ExecutionServer:
             EndStep: self._on_end,
         }
         transport.open(stage)
-        self.threads = LeaderFollowers(f"smpart-stage{stage}", lambda: transport.receive(stage, POLL_S),
-                                       self._admit)
+        self.threads = LeaderFollowers(f"smpart-stage{stage}", lambda wait: transport.receive(stage, wait),
+                                       self._admit_all, POLL_S)
 
     # ================================================================ lifecycle
     def stop(self, timeout_s: float) -> list[str]:
@@ -135,6 +137,15 @@ class ExecutionServer:
         return stuck
 
     # ================================================================ admitting messages
+    def _admit_all(self, messages: list[Any]) -> list[Task]:
+        """Admit messages that arrived together; tickets are granted once all are in."""
+        if len(messages) == 1:
+            task = self._admit(messages[0])
+            return [] if task is None else [task]
+        with self.baton.deferred(), self.glue.deferred():
+            tasks = [self._admit(message) for message in messages]
+        return [task for task in tasks if task is not None]
+
     def _admit(self, message: Any) -> Task | None:
         """Turn a message into work (returned, run by the receiving thread) or handle it now."""
         if isinstance(message, Shutdown):
@@ -195,8 +206,7 @@ class ExecutionServer:
         self.baton.cancel_all()
         self.glue.cancel_all()
         for ticket in list(run.waiting.values()):
-            ticket.cancelled = True
-            ticket.granted.set()
+            ticket.cancel()
         run.waiting.clear()
         run.backlog.clear()
         run.served.clear()
@@ -214,7 +224,8 @@ class ExecutionServer:
         """Run a requested module call and answer it."""
         mb = request.microbatch
         try:
-            self.baton.wait(ticket, run.timeout_s, lambda: self._describe_wait(request.module, mb))
+            self.baton.wait(ticket, run.timeout_s, lambda: self._describe_wait(request.module, mb),
+                            self.threads.serve)
         except Cancelled:
             return
         except TimedOut as err:
@@ -264,10 +275,11 @@ class ExecutionServer:
         resume = self.glue.ticket(RESUME, mb)
         run.waiting[call_id] = resume
         request = ForwardRequest(run.step, mb, call_id, self.stage, module, args, kwargs, grad, forwarded)
+        self._step_out(frame)  # before sending: the callee then runs alone, not against our tail
         self.transport.send(stage, request)
-        self._step_out(frame)
         try:
-            self.glue.wait(resume, run.timeout_s, lambda: self._describe_wait(module, mb, stage))
+            self.glue.wait(resume, run.timeout_s, lambda: self._describe_wait(module, mb, stage),
+                            self.threads.serve)
         except TimedOut as err:
             raise PipelineError(str(err), stage=stage, module=module, microbatch=mb) from None
         frame.glue = resume
@@ -281,7 +293,8 @@ class ExecutionServer:
     def _run_backward(self, run: StageStep, mb: int, ticket: Ticket) -> None:
         """One backward segment for every gradient message of ``mb`` queued so far."""
         try:
-            self.baton.wait(ticket, run.timeout_s, lambda: self._describe_wait(None, mb))
+            self.baton.wait(ticket, run.timeout_s, lambda: self._describe_wait(None, mb),
+                            self.threads.serve)
         except Cancelled:
             return
         except TimedOut as err:
@@ -291,6 +304,10 @@ class ExecutionServer:
         frame = Frame(self, run.step, mb, run=run, ticket=ticket, since=time.perf_counter())
         with run.lock:
             messages = run.backlog.pop(mb, [])
+        # Hold our messages only if no other thread of this stage runs (we lead, see `pool`): else
+        # one of them may admit our message to ourselves before we release the baton, so that the
+        # schedule sees it when it picks the next work (micro-batch 0's next segment before 1's).
+        held = held_posts() if self.threads.leading() else None
         try:
             if messages and mb not in run.released:
                 self._backpropagate(frame, messages)
@@ -301,9 +318,11 @@ class ExecutionServer:
         finally:
             self._end_span(frame, BACKWARD)
             self.baton.release(ticket)
-        for _ in messages:
-            if run.pending.done(mb):
-                self.transport.send(driver_address(run.step, mb), Drained(run.step, mb))
+            for _ in messages:
+                if run.pending.done(mb):
+                    self.transport.send(driver_address(run.step, mb), Drained(run.step, mb))
+            if held is not None:
+                held.flush()
 
     def _backpropagate(self, frame: Frame, messages: list[GradientMessage]) -> None:
         run, mb = frame.run, frame.microbatch
@@ -323,7 +342,8 @@ class ExecutionServer:
         run: StageStep = frame.run
         ticket = self.baton.take(RESUME, frame.microbatch)
         try:
-            self.baton.wait(ticket, run.timeout_s, lambda: self._describe_wait(None, frame.microbatch))
+            self.baton.wait(ticket, run.timeout_s, lambda: self._describe_wait(None, frame.microbatch),
+                            self.threads.serve)
         except TimedOut as err:
             raise PipelineError(str(err), stage=self.stage, microbatch=frame.microbatch) from None
         frame.ticket, frame.since = ticket, time.perf_counter()

@@ -1,10 +1,11 @@
 """`StepRun`: one call of a step function, coordinated from the calling thread.
 
 The coordinator tells every stage a step begins (schedule, micro-batch count), starts one
-`Driver` thread per micro-batch, never more at once than the schedule allows in flight, and
-waits on its own address for each driver's result or any stage's failure. On the first failure
-it aborts the step everywhere (stages drop its work, drivers stop waiting) and re-raises it
-once every driver has stopped; either way it collects each stage's timeline spans at the end.
+`Driver` thread per micro-batch (each waits for a slot: never more run at once than the schedule
+allows in flight), and waits on its own address for each driver's result or any stage's
+failure. On the first failure it aborts the step everywhere (stages drop its work, drivers
+stop waiting) and re-raises it once every driver has stopped; either way it collects each
+stage's timeline spans at the end.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class StepRun:
         self.aborted = threading.Event()
         self.turn = threading.Condition()
         self.next_turn = 0
+        self.slots = threading.Condition()
+        self.completed = 0  # drivers done: micro-batch i may start once i < completed + in_flight
         self.address = coordinator_address(step)
 
     def broadcast(self, message: Any) -> None:
@@ -61,9 +64,8 @@ class StepRun:
         failures: list[BaseException] = []
         finished = 0
         try:
-            while finished < len(threads) or (not failures and len(threads) < self.microbatches):
-                while not failures and len(threads) < min(self.microbatches, finished + self.in_flight):
-                    threads.append(self._start_driver(len(threads)))
+            threads += [self._start_driver(mb) for mb in range(self.microbatches)]
+            while finished < len(threads):
                 message = self._wait()
                 if isinstance(message, MicrobatchFinished):
                     finished += 1
@@ -89,6 +91,28 @@ class StepRun:
             raise min(failures, key=lambda e: _microbatch_of(e, self.microbatches))
         return results, timeline
 
+    # ================================================================ in-flight slots
+    def wait_for_slot(self, microbatch: int) -> None:
+        """Block the driver of ``microbatch`` until fewer than ``in_flight`` micro-batches run.
+
+        Every driver thread starts with the step and waits here, so when a micro-batch completes
+        the next one starts after one wake-up, with no thread to create on the critical path.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        with self.slots:
+            while microbatch >= self.completed + self.in_flight:
+                if self.aborted.is_set():
+                    raise Cancelled()
+                if time.monotonic() > deadline:
+                    raise PipelineError(f"micro-batch {microbatch} waited more than {self.timeout_s} s for "
+                                        "an earlier micro-batch to complete", microbatch=microbatch)
+                self.slots.wait(POLL_S)
+
+    def free_slot(self) -> None:
+        with self.slots:
+            self.completed += 1
+            self.slots.notify_all()
+
     def _start_driver(self, microbatch: int) -> threading.Thread:
         args, kwargs = self.pieces[microbatch]
         driver = Driver(self, microbatch, args, kwargs)
@@ -108,6 +132,8 @@ class StepRun:
     def _abort(self) -> None:
         self.aborted.set()
         self.broadcast(Abort(self.step))
+        with self.slots:
+            self.slots.notify_all()
 
     def _collect_timeline(self, start: float, duration: float) -> Timeline:
         self.broadcast(EndStep(self.step, self.address))

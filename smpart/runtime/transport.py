@@ -34,7 +34,7 @@ class Transport(ABC):
 
     @abstractmethod
     def receive(self, address: Address, timeout: float) -> Any | None:
-        """The next message for ``address``, or None after ``timeout`` seconds."""
+        """The next message for ``address``, or None after ``timeout`` seconds (0: do not wait)."""
 
 
 class ThreadTransport(Transport):
@@ -64,6 +64,8 @@ class ThreadTransport(Transport):
         inbox = self._queues.get(address)
         if inbox is None:
             raise KeyError(f"no open address {address!r}")
+        if timeout <= 0:  # a poll: one reader per address, so empty() cannot go stale
+            return None if inbox.empty() else inbox.get_nowait()
         try:
             return inbox.get(timeout=timeout)
         except queue.Empty:

@@ -1,0 +1,120 @@
+"""The runtime's threading: schedule order among messages that arrive together, one thread for a
+stage that never waits, held gradient messages, and the in-flight cap."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import smpart
+from smpart.runtime.baton import Baton
+from smpart.runtime.gradients import PendingGradients, gradient_poster, held_posts
+from smpart.runtime.runtime import current_runtime
+from smpart.runtime.schedule import BACKWARD, FORWARD, Interleaved
+
+
+@pytest.fixture(autouse=True)
+def _clean_runtime():
+    yield
+    smpart.shutdown()
+
+
+def test_tickets_admitted_together_go_to_the_best_one_not_the_first():
+    policy = Interleaved()
+    baton = Baton()
+    baton.set_schedule(policy.rank, lambda kind: True)
+    with baton.deferred():
+        forward = baton.take(FORWARD, 1)
+        backward = baton.take(BACKWARD, 0)
+        assert not forward.granted and not backward.granted
+    assert backward.granted and not forward.granted  # 1F1B: backward first
+    baton.release(backward)
+    assert forward.granted
+
+
+def test_gradient_messages_are_held_until_flushed_and_nested_holds_flush_outward():
+    sent: list = []
+    post = gradient_poster(lambda address, message: sent.append((address, message)),
+                           PendingGradients(1), step=0, microbatch=0)
+    outer = held_posts()
+    post((1, 7, True), {0: torch.ones(1)})
+    inner = held_posts()
+    post((2, 8, False), {0: torch.ones(1)})
+    inner.flush()
+    assert [address for address, _ in sent] == [2]
+    outer.flush()
+    assert [address for address, _ in sent] == [2, 1]
+    post((3, 9, True), {0: torch.ones(1)})  # not holding any more: sent at once
+    assert [address for address, _ in sent] == [2, 1, 3]
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.second(self.first(x).relu())
+
+
+@smpart.step
+def train_step(model, x):
+    loss = model(x).square().mean()
+    model.backward(loss)
+    return loss
+
+
+@pytest.mark.timeout(60)
+def test_a_stage_that_never_waits_runs_every_message_on_one_thread():
+    smpart.init(pipeline_parallel_degree=2, microbatches=1, pin={"": 0, "first": 0, "second": 1})
+    model = smpart.DistributedModel(Chain())
+    x = torch.randn(4, 4)
+    for _ in range(3):
+        train_step(model, x)
+    stage1 = current_runtime().servers[1]
+    assert len(stage1.threads._threads) == 1  # no hand-off to a follower per message
+
+
+class Slow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+
+    def forward(self, x):
+        time.sleep(0.002)  # keeps micro-batches in flight long enough to overlap
+        return self.second(self.first(x))
+
+
+@pytest.mark.timeout(60)
+def test_no_more_micro_batches_run_at_once_than_active_microbatches():
+    smpart.init(pipeline_parallel_degree=2, microbatches=8, pipeline="interleaved", active_microbatches=2,
+                pin={"": 0, "first": 0, "second": 1})
+    model = smpart.DistributedModel(Slow())
+    lock = threading.Lock()
+    running = peak = 0
+
+    @smpart.step
+    def counted_step(model, x):
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        loss = model(x).square().mean()
+        model.backward(loss)
+        with lock:
+            running -= 1
+        return loss
+
+    reference = Slow()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(16, 4)
+    out = counted_step(model, x)
+    expected = torch.stack([reference(piece).square().mean() for piece in x.chunk(8)])
+    torch.testing.assert_close(out.stack(), expected)
+    assert 1 <= peak <= 2

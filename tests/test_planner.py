@@ -16,12 +16,15 @@ from smpart.planner.layers import layer_sequence
 from smpart.tracing.tree import DataEdge, ModuleTree
 
 
-def gpt_tree(n_layer: int = 8, hidden: int = 1024, seq: int = 1024, vocab: int = 50257) -> ModuleTree:
-    """A GPT-shaped tree of plain numbers, costs for one sample (Megatron's formulas)."""
+def gpt_tree(n_layer: int = 8, hidden: int = 1024, seq: int = 1024, vocab: int = 50257,
+             heads: int = 16) -> ModuleTree:
+    """A GPT-shaped tree of plain numbers, costs for one sample (Megatron's formulas; a block
+    saves 34·s·h + 5·a·s² bytes for backward, its MLP's output is all it returns besides)."""
     block_params = 12 * hidden * hidden
     blocks = [
         {"name": f"h.{i}", "class_name": "Block", "param_count": block_params,
          "param_bytes": 4 * block_params, "activation_bytes": 2 * seq * hidden,
+         "saved_bytes": 34 * seq * hidden + 5 * heads * seq * seq,
          "flops": 24 * seq * hidden * hidden + 4 * seq * seq * hidden,
          "children": [{"name": f"h.{i}.mlp", "activation_bytes": 16 * seq * hidden}]}
         for i in range(n_layer)
@@ -162,13 +165,18 @@ def test_every_plan_uses_every_device_and_fits():
     assert times == sorted(times)
 
 
-def test_predicted_memory_matches_an_independent_count():
+@pytest.mark.parametrize("saved", [0, 3 << 20])
+def test_predicted_memory_matches_an_independent_count(saved):
     tree = uniform_tree(8, params=10_000_000)
+    for node in tree.root.children:
+        node.saved_bytes = saved
+    tree.activation_memory = "saved" if saved else "outputs"
+    kept = saved or 1 << 20  # what autograd saves when known, else the outputs
     cluster = homogeneous(1, 4)
     best = plan(tree, cluster, 8, tp_degrees=[1], bytes_per_param=16.0, pipeline="simple").best
     per_stage_layers = [len(best.partition.modules_on(j)) - (1 if j == 0 else 0) for j in range(best.pp)]
     for j, count in enumerate(per_stage_layers):
-        activation = count * (1 << 20) * best.microbatch_size * best.microbatches  # all in flight
+        activation = count * kept * best.microbatch_size * best.microbatches  # all in flight
         assert best.stage_memory[j][0] == pytest.approx(count * 10_000_000 * 16 + activation)
 
 
@@ -255,6 +263,24 @@ def test_model_too_big_names_stage_and_overflow():
     tree = uniform_tree(4, params=2_000_000_000)  # 8e9 params × 16 B = 128 GB on 4 × 16 GiB
     with pytest.raises(PlanError, match=r"overflows stage \d .*GiB over its usable"):
         plan(tree, homogeneous(1, 4, "V100"), 4)
+
+
+def test_saved_activations_overflow_a_plan_that_fit_by_outputs():
+    """A layer returns 2 MiB per sample but autograd keeps 20 GiB of it for backward (a block's
+    attention scores and MLP hidden states are saved, never returned). Priced by its outputs the
+    model fits on 4 × 80 GiB; priced by what training keeps alive, no plan does."""
+    spec = {"name": "", "children": [
+        {"name": f"layer{i}", "flops": 1e12, "param_count": 10**9, "param_bytes": 4 * 10**9,
+         "activation_bytes": 2 << 20, "saved_bytes": 20 * GIB} for i in range(4)]}
+    by_outputs = ModuleTree.from_spec(spec, activation_memory="outputs")
+    by_saved = ModuleTree.from_spec(spec)
+    assert by_saved.activation_memory == "saved"
+    options = {"tp_degrees": [1], "bytes_per_param": 16.0}
+    assert plan(by_outputs, homogeneous(1, 4), 4, **options).best
+    # every strategy: some device holds >= 4 layer-samples in flight (pp = 4: stage 0 holds four
+    # micro-batches; pp = 1: four layers), 80 GiB before any parameter
+    with pytest.raises(PlanError, match=r"overflows stage \d .*GiB over its usable"):
+        plan(by_saved, homogeneous(1, 4), 4, **options)
 
 
 def test_memory_bound_layers_are_priced_by_memory_bandwidth():

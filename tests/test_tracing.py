@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
@@ -41,7 +42,12 @@ def test_linear_costs_match_hand_computation():
     assert [c.name for c in tree.root.children] == ["0", "1", "2"]
     assert [c.call_order for c in tree.root.children] == [1, 2, 3]
     assert tree.compute_unit == "flops" and tree.input_bytes == 3 * 4 * 4
-    assert tree.memory_of(first) == 4 * first.param_bytes + first.activation_bytes
+    # autograd saves: the first layer its input (its weight is a parameter, never an activation),
+    # the ReLU its output, the last layer its input (the ReLU's output: counted there, once)
+    # and the model's output, which the loss keeps
+    assert (first.saved_bytes, relu.saved_bytes, last.saved_bytes) == (3 * 4 * 4, 3 * 8 * 4, 3 * 2 * 4)
+    assert tree.activation_memory == "saved"
+    assert tree.memory_of(first) == 4 * first.param_bytes + 3 * 4 * 4
 
 
 class _Scores(nn.Module):
@@ -60,6 +66,89 @@ def test_op_bytes_count_what_operations_write_inside_forward_code():
     assert scores.op_bytes == (n * n + n * n + n) * 4  # matmul, softmax, sum
     assert scores.activation_bytes == n * 4  # the module's output alone
     assert unflatten.op_bytes == 0 and tree.root.op_bytes == 0  # a view writes nothing
+
+
+class _Fan(nn.Module):
+    """One hidden state read by two layers, once whole and once through a view."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.scale = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) * self.scale  # mul saves a's output and the parameter: only the first counts
+        return self.b(h) + self.c(h.view(-1, h.size(-1)))
+
+
+def test_saved_bytes_count_each_storage_once_and_never_a_parameter():
+    n, d = 5, 6
+    model = _Fan(d)
+    tree = trace(model, (torch.randn(n, d),))
+    a, b, c = (tree.node(name) for name in "abc")
+    assert a.saved_bytes == n * d * 4  # its input
+    assert b.saved_bytes == n * d * 4 and c.saved_bytes == 0  # h, and a view of h: one storage
+    # the root's own code keeps a's output (for scale's gradient) and the model output (for the
+    # loss); the parameter `scale` and the weights count nothing
+    assert tree.root.saved_bytes == 2 * n * d * 4
+    assert tree.root.activation_bytes == n * d * 4 and a.activation_bytes == n * d * 4
+
+
+class _Gpt2Block(nn.Module):
+    """A GPT-2 block as Megatron's paper counts it: dropouts on, attention written out (no flash)."""
+
+    def __init__(self, h: int, heads: int, p: float = 0.1):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.c_attn, self.c_proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc, self.gelu, self.proj = nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)
+        self.attn_drop, self.resid_drop, self.mlp_drop = nn.Dropout(p), nn.Dropout(p), nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2)
+                   for t in self.c_attn(self.ln_1(x)).split(C, dim=-1))
+        scores = (q @ k.transpose(-2, -1)) * (q.size(-1) ** -0.5)
+        future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+        y = self.attn_drop(scores.softmax(-1)) @ v
+        x = x + self.resid_drop(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
+        return x + self.mlp_drop(self.proj(self.gelu(self.fc(self.ln_2(x)))))
+
+
+def test_gpt2_medium_block_saves_what_megatron_counts():
+    s, b, h, a = 1024, 1, 1024, 16
+    with torch.device("meta"):
+        block = _Gpt2Block(h, a).half()
+    x = torch.empty(b, s, h, dtype=torch.half, device="meta", requires_grad=True)  # a stage's input
+    tree = trace(block, (x,))
+    megatron = 34 * s * b * h + 5 * a * s * s * b  # Korthikanti et al. 2022, eq. (1), fp16
+    saved = sum(n.saved_bytes for n in tree.nodes())
+    assert 0.7 * megatron <= saved <= 1.3 * megatron
+    assert sum(n.activation_bytes for n in tree.nodes()) < 0.7 * megatron  # outputs alone: too few
+    assert tree.total_memory() == pytest.approx(
+        4 * sum(n.param_bytes for n in tree.nodes()) + saved)
+
+
+def test_a_model_nothing_can_train_counts_its_outputs_instead():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU()).requires_grad_(False)
+    tree = trace(model, torch.randn(3, 4))
+    assert all(n.saved_bytes == 0 for n in tree.nodes()) and tree.activation_memory == "outputs"
+    assert tree.memory_of(tree.node("1")) == 3 * 8 * 4
+
+
+def test_tree_json_without_saved_bytes_still_loads_and_counts_outputs():
+    tree = trace(nn.Sequential(nn.Linear(4, 8), nn.ReLU()), torch.randn(3, 4))
+    old = tree.to_dict()
+    del old["activation_memory"]
+    for node in [old["root"], *old["root"]["children"]]:
+        del node["saved_bytes"]
+    again = ModuleTree.from_dict(old)
+    assert again.activation_memory == "outputs" and again.node("0").saved_bytes == 0
+    assert again.memory_of(again.node("1")) == 3 * 8 * 4
+    with pytest.raises(ConfigError, match="activation_memory"):
+        ModuleTree(tree.root, activation_memory="everything")
 
 
 def test_sequential_edges_go_from_each_layer_to_the_next_with_its_output_bytes():
@@ -85,6 +174,10 @@ def test_total_flops_equal_flop_counter_on_the_unsplit_model(name):
         expected = _flops(lambda: ex.model(*ex.args, **ex.kwargs))
     assert expected > 0 and tree.total_compute() == expected
     assert sum(n.param_count for n in tree.nodes()) == sum(p.numel() for p in ex.model.parameters())
+    # every saved storage was written by some operation, or is an input
+    saved = sum(n.saved_bytes for n in tree.nodes())
+    assert tree.activation_memory == "saved"
+    assert 0 < saved <= sum(n.op_bytes for n in tree.nodes()) + tree.input_bytes
 
 
 def test_meta_and_cpu_traces_agree_node_by_node():
@@ -233,10 +326,21 @@ def test_fallback_runs_on_the_models_own_weights_without_changing_them():
 
     model = DataDependent()
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    graphs_before = _live_autograd_tensors()
     with pytest.warns(UserWarning, match="own weights"):
         tree = trace(model, torch.randn(3, 4))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert tree.node("a").called != tree.node("b").called
+    # the pass ran with autograd on the real weights: no gradient written, no graph left behind
+    assert all(p.grad is None for p in model.parameters()) and _live_autograd_tensors() == graphs_before
+    assert tree.node("norm").saved_bytes == 3 * 4 * 4 + 2 * 4 * 4  # its input, batch mean and invstd
+
+
+def _live_autograd_tensors() -> int:
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance on torch's deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
 
 
 # ---------------------------------------------------------------- errors

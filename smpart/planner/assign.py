@@ -334,6 +334,9 @@ class _BoundSearch:
             left_hi = mid - 1
             if solution is not None:  # f is constant on [realised max, bounds[mid]]
                 left_hi = int(np.searchsorted(bounds, solution.bottleneck * (1 - _REL_EPS), "left")) - 1
+                # the slack may let the realised max exceed the bound (costs near 1e-300):
+                # never search mid again, or the loop would not end
+                left_hi = min(left_hi, mid - 1)
             stack.append((mid + 1, hi, f_low, f_mid))
             stack.append((lo, left_hi, f_mid, f_high))
 

@@ -23,7 +23,10 @@ AMP's top-down decomposition, generalised to stages whose device groups differ:
   slowest link among the stage's nodes); the slowest stage sets the time, added once per step.
 * **Memory per device.** parameter state × ``bytes_per_param`` / tp + activations of the
   micro-batches in flight (interleaved: ``pp − stage``; simple: all ``B``) / tp + buffers, against
-  ``memory_fraction`` of the device's memory.
+  ``memory_fraction`` of the device's memory. A micro-batch's activations are the tensors
+  autograd saves for its backward, as the trace counted them (`LayerSeq.activation_bytes`), not
+  the modules' outputs: those are 3-5× smaller for a transformer block (its attention scores and
+  MLP hidden states are saved but never returned), so a plan priced by outputs can overflow.
 
 ``bytes_per_param`` defaults to 16: fp16 weights and gradients (2 + 2) plus fp32 master weights
 and Adam's two moments (4 + 4 + 4), the mixed-precision Adam figure of ZeRO and Megatron. Pass
@@ -49,7 +52,8 @@ class CostOptions:
     bytes_per_param: float | None = 16.0
     #: Bytes per parameter that data parallelism all-reduces (fp16 gradients).
     grad_bytes_per_param: float = 2.0
-    #: Scale on the traced activation bytes (0.5: traced in fp32, trained in fp16).
+    #: Scale on the traced activation bytes (0.5: traced in fp32, trained in fp16; masks and
+    #: integer indices do not halve, so this slightly underestimates them).
     activation_scale: float = 1.0
     #: Fraction of peak FLOP/s a layer achieves.
     efficiency: float = 0.4

@@ -9,8 +9,10 @@ model), which is the granularity the cost model's per-layer tensor-parallel all-
 
 Costs of a layer are its subtree's sums. A parent that was opened keeps its own cost (its own
 parameters, the glue code between child calls) and lives with its first-called child, so that
-cost is charged to that child's layer. A cut after layer ``l`` costs the activation bytes of the
-tree's `DataEdge`s crossing that point (or, in a tree without edges, the layer's output).
+cost is charged to that child's layer. A layer's activation memory is what its nodes keep for
+backward (`ModuleTree.activation_memory_of`: the traced saved tensors, else the outputs); a cut
+after layer ``l`` costs the activation bytes of the tree's `DataEdge`s crossing that point (or,
+in a tree without edges, the layer's output).
 
 `LayerSeq.partition` maps a stage per layer back to a `Partition` of every node: a layer's whole
 subtree takes the layer's stage, an opened parent takes its first-called child's stage.
@@ -41,7 +43,8 @@ class LayerSeq:
     param_count: np.ndarray
     param_bytes: np.ndarray
     buffer_bytes: np.ndarray
-    #: Bytes of activations each layer keeps for its backward pass (all its modules' outputs).
+    #: Bytes of activations each layer keeps for its backward pass (autograd's saved tensors
+    #: where the trace recorded them, else all its modules' outputs).
     activation_bytes: np.ndarray
     #: cut_bytes[l]: activation bytes sent forward when the model is cut after layer l (L-1 values).
     cut_bytes: np.ndarray
@@ -99,7 +102,7 @@ def layer_sequence(tree: ModuleTree, max_share: float = DEFAULT_MAX_SHARE) -> La
     params = np.array([sum(n.param_count for n in r.walk()) for r in roots], dtype=float)
     param_bytes = np.array([sum(n.param_bytes for n in r.walk()) for r in roots], dtype=float)
     buffers = np.array([sum(n.buffer_bytes for n in r.walk()) for r in roots], dtype=float)
-    activations = np.array([sum(n.activation_bytes for n in r.walk()) for r in roots], dtype=float)
+    activations = np.array([sum(tree.activation_memory_of(n) for n in r.walk()) for r in roots], dtype=float)
     parent_layer = {}
     for parent in opened:
         layer = index[id(_first_layer(parent, index))]
@@ -108,7 +111,7 @@ def layer_sequence(tree: ModuleTree, max_share: float = DEFAULT_MAX_SHARE) -> La
         params[layer] += parent.param_count
         param_bytes[layer] += parent.param_bytes
         buffers[layer] += parent.buffer_bytes
-        activations[layer] += parent.activation_bytes
+        activations[layer] += tree.activation_memory_of(parent)
     cuts = _cut_bytes(tree, roots, parent_layer)
     owners = _layer_of_nodes(roots, parent_layer)
     nodes = [n for n in tree.nodes() if n.name in owners]

@@ -189,6 +189,7 @@ def _make_node(
         activation_bytes=sum(stats[i].activation_bytes for i in members),
         flops=float(sum(stats[i].flops for i in members)),
         op_bytes=sum(stats[i].op_bytes for i in members),
+        saved_bytes=sum(stats[i].saved_bytes for i in members),
         time_s=None,
     )
 

@@ -48,6 +48,8 @@ class CallStats:
     #: Bytes written by the module's own operations (see `smpart.tracing.op_bytes`).
     op_bytes: int = 0
     activation_bytes: int = 0
+    #: Bytes of the storages autograd saved for backward in its own code (`smpart.tracing.saved_bytes`).
+    saved_bytes: int = 0
     seconds: float = 0.0
 
 
@@ -128,6 +130,11 @@ class CallRecorder:
     def running_module(self) -> int | None:
         """Index of the innermost module whose forward is running (after a failure: the culprit)."""
         return self.stack[-1].index if self.stack else None
+
+    def producer_of(self, t: torch.Tensor) -> int | None:
+        """Index of the innermost module that returned ``t`` during the pass (None if none did)."""
+        produced = self._produced_by.get(id(t))
+        return produced[1] if produced is not None else None
 
     def name_of(self, index: int) -> str:
         return self.stats[index].called_as or self.names[index][0]

@@ -8,6 +8,11 @@ sizes are exact on meta; only values are missing. A model whose Python code look
 mixture-of-experts router asking which experts got tokens) fails there, and is then traced on
 its own device with its own weights, used in place, and a warning says so.
 
+The same pass runs with autograd on (when any parameter or input requires grad) and counts,
+per module, the bytes autograd saves for backward (`smpart.tracing.saved_bytes`): the
+activation memory a micro-batch really holds during training. No backward runs, so no ``.grad``
+is ever written; the graph is dropped with the pass's output.
+
 ``measure_time=True`` on a real device adds a timed pass: each module's forward self time is
 measured with the same hooks, and the measured backward of the whole model is shared out in
 proportion (autograd runs backward as one graph, not module by module).
@@ -33,7 +38,8 @@ from smpart.errors import ConfigError, TraceError
 from smpart.tracing.grouping import ModuleInventory, build_edges, build_nodes
 from smpart.tracing.op_bytes import OpBytesCounter
 from smpart.tracing.recorder import CallRecorder, nbytes, tensors_in
-from smpart.tracing.tree import DEFAULT_PARAM_MEMORY_FACTOR, ModuleTree
+from smpart.tracing.saved_bytes import SavedBytesCounter
+from smpart.tracing.tree import DEFAULT_PARAM_MEMORY_FACTOR, OUTPUTS, SAVED, ModuleTree
 
 META = torch.device("meta")
 
@@ -80,6 +86,7 @@ def trace(
         param_memory_factor=param_memory_factor,
         compute_unit="time" if seconds is not None else "flops",
         input_bytes=sum(nbytes(t) for t in tensors_in((args, kwargs))),
+        activation_memory=SAVED if _trainable(model, args, kwargs) else OUTPUTS,
     )
 
 
@@ -105,7 +112,7 @@ class _ForwardFailed(Exception):
 def _record_flops(model, inventory, args, kwargs, target, home) -> tuple[CallRecorder, torch.device]:
     """The FLOP-counting pass on ``target``; from meta, falls back to the model's own device."""
     try:
-        return _forward(model, inventory, args, kwargs, target, home, count_flops=True)[0], target
+        return _forward(model, inventory, args, kwargs, target, home, count_flops=True, grad=True)[0], target
     except _ForwardFailed as failure:
         if target.type != "meta":
             raise
@@ -116,7 +123,7 @@ def _record_flops(model, inventory, args, kwargs, target, home) -> tuple[CallRec
                 "flow), build it on a real device."
             ) from failure.error
         meta_failure = failure
-    recorder = _forward(model, inventory, args, kwargs, home, home, count_flops=True)[0]
+    recorder = _forward(model, inventory, args, kwargs, home, home, count_flops=True, grad=True)[0]
     warnings.warn(
         f"{type(model).__name__} could not be traced on the meta device ({meta_failure.where()}: "
         f"{type(meta_failure.error).__name__}), probably because its forward looks at tensor values; "
@@ -128,7 +135,10 @@ def _record_flops(model, inventory, args, kwargs, target, home) -> tuple[CallRec
 
 def _forward(model, inventory, args, kwargs, device, home, *, count_flops=False, clock=time.perf_counter,
              grad=False) -> tuple[CallRecorder, Any, list[torch.Tensor]]:
-    """One hooked forward on ``device``: the recorder, the output and the parameters that ran."""
+    """One hooked forward on ``device``: the recorder, the output and the parameters that ran.
+
+    ``count_flops``: the costing pass, which also counts op bytes and, grad enabled, saved bytes.
+    """
     try:
         args, kwargs = _to_device((args, kwargs), device)
     except RuntimeError as err:
@@ -144,17 +154,25 @@ def _forward(model, inventory, args, kwargs, device, home, *, count_flops=False,
         clock=clock,
     )
     param_swap, buffer_swap = _substitutes(device, home)
-    with _swapped_weights(inventory.modules, param_swap, buffer_swap), recorder, \
-            counter or contextlib.nullcontext(), written or contextlib.nullcontext(), \
-            torch.set_grad_enabled(grad):
-        try:
-            output = model(*args, **kwargs)
-        except Exception as err:
-            culprit = recorder.running_module()
-            name = recorder.name_of(culprit) if culprit is not None else None
-            module = inventory.modules[culprit] if culprit is not None else model
-            raise _ForwardFailed(name, type(module).__name__, err, device) from err
-        ran = list(model.parameters())  # the substitutes, while they are swapped in
+    with _swapped_weights(inventory.modules, param_swap, buffer_swap):
+        saved = (SavedBytesCounter(recorder.running_module, _weights_of(model), tensors_in((args, kwargs)))
+                 if count_flops and grad else None)
+        with recorder, counter or contextlib.nullcontext(), written or contextlib.nullcontext(), \
+                saved or contextlib.nullcontext(), torch.set_grad_enabled(grad):
+            try:
+                output = model(*args, **kwargs)
+            except Exception as err:
+                culprit = recorder.running_module()
+                name = recorder.name_of(culprit) if culprit is not None else None
+                module = inventory.modules[culprit] if culprit is not None else model
+                raise _ForwardFailed(name, type(module).__name__, err, device) from err
+            if saved is not None:  # the loss will keep the outputs it is computed from
+                for t in tensors_in(output):
+                    if t.requires_grad:
+                        saved.count(t, recorder.producer_of(t))
+                for i, size in saved.by_module.items():
+                    recorder.stats[i].saved_bytes += size
+            ran = list(model.parameters())  # the substitutes, while they are swapped in
     return recorder, output, ran
 
 
@@ -227,6 +245,17 @@ def _swapped_weights(
     finally:
         for table, name, tensor in reversed(saved):
             table[name] = tensor
+
+
+def _weights_of(model: nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer the model runs with right now (substitutes while swapped)."""
+    return [*model.parameters(), *model.buffers()]
+
+
+def _trainable(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a backward would run at all: some parameter or input requires grad."""
+    return any(p.requires_grad for p in model.parameters()) or any(
+        t.requires_grad for t in tensors_in((args, kwargs)))
 
 
 def _named_tensors(model: nn.Module):

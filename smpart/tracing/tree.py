@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from smpart.errors import ConfigError
+
 #: Bytes held per parameter byte during training: weights, gradients and Adam's two moments.
 DEFAULT_PARAM_MEMORY_FACTOR = 4.0
 
@@ -44,13 +46,17 @@ class ModuleNode:
     param_count: int = 0
     param_bytes: int = 0
     buffer_bytes: int = 0
-    #: Bytes of the tensors the node's modules returned, summed over all calls.
+    #: Bytes of the tensors the node's modules returned, summed over all calls: what flows
+    #: between modules (data-flow edges, pipeline and tensor-parallel transfers).
     activation_bytes: int = 0
     #: Forward FLOPs of the node's own computation (children excluded), summed over calls.
     flops: float = 0.0
     #: Bytes its own forward operations wrote (every op's fresh output, views excluded), summed
     #: over calls: with ``flops``, the arithmetic intensity a roofline time estimate needs.
     op_bytes: int = 0
+    #: Bytes autograd saves for backward in the node's own code (distinct storages, parameters
+    #: excluded), summed over calls: what a micro-batch keeps alive until its backward.
+    saved_bytes: int = 0
     #: Measured forward+backward seconds of the node's own computation, when measured.
     time_s: float | None = None
 
@@ -87,6 +93,7 @@ class ModuleNode:
             "activation_bytes": self.activation_bytes,
             "flops": self.flops,
             "op_bytes": self.op_bytes,
+            "saved_bytes": self.saved_bytes,
             "time_s": self.time_s,
         }
         out["children"] = [child.to_dict() for child in self.children]
@@ -115,6 +122,11 @@ class DataEdge:
 #: Pseudo node name of the model's example inputs in `DataEdge.src`.
 INPUT = "<input>"
 
+#: `ModuleTree.activation_memory`: activations held for backward are the saved tensors...
+SAVED = "saved"
+#: ...or, for trees without them (built by hand, older JSON), the modules' outputs.
+OUTPUTS = "outputs"
+
 
 @dataclass
 class ModuleTree:
@@ -127,10 +139,18 @@ class ModuleTree:
     compute_unit: str = "flops"
     #: Bytes of the example inputs (the batch the trace ran on).
     input_bytes: int = 0
+    #: Which bytes `activation_memory_of` counts: ``"saved"`` (``saved_bytes``) or ``"outputs"``
+    #: (``activation_bytes``). None: "saved" when any node has saved bytes, else "outputs".
+    activation_memory: str | None = None
 
     def __post_init__(self) -> None:
         self._index: dict[str, ModuleNode] = {}
         self.reindex()
+        if self.activation_memory is None:
+            self.activation_memory = SAVED if any(n.saved_bytes for n in self.nodes()) else OUTPUTS
+        if self.activation_memory not in (SAVED, OUTPUTS):
+            raise ConfigError(f"activation_memory must be {SAVED!r} or {OUTPUTS!r}, "
+                              f"got {self.activation_memory!r}")
 
     # ---------------------------------------------------------------- lookup
     def reindex(self) -> None:
@@ -164,12 +184,23 @@ class ModuleTree:
             return node.time_s or 0.0
         return node.flops
 
+    def activation_memory_of(self, node: ModuleNode) -> int:
+        """Bytes of activations the node's own code keeps alive from forward to backward.
+
+        The saved tensors when the trace recorded them, and *instead of* the outputs, not in
+        addition: an output that some backward needs is itself a saved tensor (counted once,
+        by its storage), and one that none needs is freed as soon as its readers ran. Trees
+        without saved bytes (built by hand, older JSON) fall back to the outputs.
+        """
+        return node.saved_bytes if self.activation_memory == SAVED else node.activation_bytes
+
     def memory_of(self, node: ModuleNode) -> float:
-        """The node's own training memory in bytes: parameter state, buffers and activations."""
+        """The node's own training memory in bytes: parameter state, buffers and activations
+        kept for backward (`activation_memory_of`), for one batch of the traced size."""
         return (
             node.param_bytes * self.param_memory_factor
             + node.buffer_bytes
-            + node.activation_bytes
+            + self.activation_memory_of(node)
         )
 
     def total_compute(self, node: ModuleNode | None = None) -> float:
@@ -211,6 +242,7 @@ class ModuleTree:
             "param_memory_factor": self.param_memory_factor,
             "compute_unit": self.compute_unit,
             "input_bytes": self.input_bytes,
+            "activation_memory": self.activation_memory,
         }
 
     @classmethod
@@ -221,6 +253,7 @@ class ModuleTree:
             param_memory_factor=data.get("param_memory_factor", DEFAULT_PARAM_MEMORY_FACTOR),
             compute_unit=data.get("compute_unit", "flops"),
             input_bytes=data.get("input_bytes", 0),
+            activation_memory=data.get("activation_memory"),
         )
 
     def to_json(self) -> str:

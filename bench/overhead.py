@@ -12,12 +12,13 @@
    so every stage thread runs its kernels on that many threads, and stages sharing a CPU
    oversubscribe it (on CPU give each stage ``cores // stages`` threads).
 
-    .venv/bin/python bench/overhead.py [--calls 200] [--steps 7]
+    .venv/bin/python bench/overhead.py [--calls 200] [--steps 7] [--hops]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 import smpart
+from smpart.runtime.runtime import current_runtime
 
 
 class Tiny(nn.Module):
@@ -66,7 +68,8 @@ def timed_steps(model, x, steps: int) -> float:
     return statistics.median(times)
 
 
-def round_trip(calls: int, steps: int) -> float:
+def round_trip(calls: int, steps: int, hops: bool = False) -> tuple[float, list[str]]:
+    """Seconds per round trip, and (with ``hops``) the lines of `hop_report`."""
     smpart.init(pipeline_parallel_degree=2, microbatches=1, pin={"": 0, "local": 0, "remote": 1})
     net = PingPong()
     model = smpart.DistributedModel(net)
@@ -76,8 +79,41 @@ def round_trip(calls: int, steps: int) -> float:
     base = timed_steps(model, x, steps)
     net.calls = calls
     loaded = timed_steps(model, x, steps)
+    report = hop_report(model, x) if hops else []
     smpart.shutdown()
-    return (loaded - base) / calls
+    return (loaded - base) / calls, report
+
+
+def hop_report(model, x) -> list[str]:
+    """One more step with every send and receive timestamped: per message kind, the median time in
+    the queue (send -> received, wake-up included) and the processing that follows (received -> the
+    next message sent). Timestamping adds ~1 µs per event."""
+    transport = current_runtime().transport
+    log: list[tuple[float, str]] = []
+    send, receive = transport.send, transport.receive
+
+    def timed_send(address, message):
+        log.append((time.perf_counter(), "sent " + type(message).__name__))
+        send(address, message)
+
+    def timed_receive(address, timeout):
+        message = receive(address, timeout)
+        if message is not None:
+            log.append((time.perf_counter(), "received " + type(message).__name__))
+        return message
+
+    transport.send, transport.receive = timed_send, timed_receive  # instance attributes: the servers
+    try:                                                            # look them up at every call
+        train_step(model, x)
+    finally:
+        del transport.send, transport.receive
+    gaps: dict[tuple[str, str], list[float]] = {}
+    for (t0, a), (t1, b) in itertools.pairwise(log):
+        gaps.setdefault((a, b), []).append(t1 - t0)
+    return ["  per hop (median µs, count):"] + [
+        f"    {a:>26} -> {b:<26} {statistics.median(times) * 1e6:6.1f}  x{len(times)}"
+        for (a, b), times in sorted(gaps.items(), key=lambda kv: -sum(kv[1])) if len(times) >= 10
+    ]
 
 
 def mlp(width: int = 1024, depth: int = 4) -> nn.Sequential:
@@ -133,9 +169,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--hops", action="store_true", help="also print where a round trip's time goes")
     a = parser.parse_args()
-    rt = round_trip(a.calls, a.steps)
+    rt, hops = round_trip(a.calls, a.steps, a.hops)
     print(f"cross-stage forward+backward round trip (4 floats): {rt * 1e6:.0f} µs  (goal < 100 µs)")
+    for line in hops:
+        print(line)
     default_threads = torch.get_num_threads()
     print("MLP 4x1024, batch 256, 4 micro-batches, 2 stages (both on this CPU), median step times:")
     for threads in sorted({default_threads, 1}, reverse=True):

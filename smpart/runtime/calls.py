@@ -32,7 +32,7 @@ class Endpoint(Protocol):
     def call(self, frame: Frame, stage: int, module: str, args: tuple, kwargs: dict) -> Any: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class Frame:
     """What the current thread is running: ``endpoint`` works for ``microbatch`` of ``step``.
 

@@ -115,8 +115,8 @@ class Driver:
         self.wait_turn()
         call_id = new_call_id()
         grad = torch.is_grad_enabled()
-        kept, forwarded = boundary.depart((args, kwargs), grad,
-                                          lambda: f"the arguments of module {module!r} (stage {stage})")
+        kept, forwarded = boundary.depart_call(args, kwargs, grad,
+                                               lambda: f"the arguments of module {module!r} (stage {stage})")
         if kept is not None:
             self.sent[call_id] = (module, kept)
         request = ForwardRequest(run.step, mb, call_id, self.address, module, args, kwargs, grad, forwarded)
@@ -176,7 +176,7 @@ class Driver:
         if isinstance(message, BackwardRequest | GradResponse):
             held = held_posts()
             try:
-                backpropagate([(self.sent, [message])])
+                backpropagate([(self.sent, message)])
             finally:
                 self.run.pending.done(self.microbatch)
                 held.flush()

@@ -34,11 +34,11 @@ from smpart.runtime.messages import Address, BackwardRequest, GradientMessage, G
 CallRecords = dict[int, tuple[str, list[torch.Tensor | None]]]
 
 
-def backpropagate(batches: list[tuple[CallRecords, list[GradientMessage]]]) -> None:
-    """One backward segment: each batch's messages (gradient index -> tensor) land on the tensors
+def backpropagate(messages: list[tuple[CallRecords, GradientMessage]]) -> None:
+    """One backward segment: each message's gradients (tensor index -> gradient) land on the tensors
     its records kept; all of them go through a single ``autograd.backward`` call."""
     targets: dict[int, list] = {}
-    for records, message in ((r, m) for r, ms in batches for m in ms):
+    for records, message in messages:
         _, kept = records[message.call_id]
         for index, grad in message.grads.items():
             tensor = kept[index]
@@ -62,11 +62,13 @@ def run_backward(tensors: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, .
     its device, so ``torch.autograd``'s validation of them (a third of a small segment's cost on
     CPU, ~10 µs) is skipped by entering the engine the way ``torch.autograd.backward`` does.
     """
-    engine_run = getattr(torch.autograd.graph, "_engine_run_backward", None)
-    if engine_run is None:  # another torch version: the public route
+    if _engine_run is None:  # another torch version: the public route
         torch.autograd.backward(list(tensors), list(grads), retain_graph=True)
         return
-    engine_run(tensors, grads, True, False, (), True, True)  # retain, no create_graph, all leaves
+    _engine_run(tensors, grads, True, False, (), True, True)  # retain, no create_graph, all leaves
+
+
+_engine_run = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
 def module_of(records: CallRecords, messages: list[GradientMessage]) -> str | None:

@@ -18,7 +18,7 @@ from typing import Any
 Address = Any
 
 
-@dataclass
+@dataclass(slots=True)
 class ForwardRequest:
     """Run ``module`` (a qualified name living on the receiving stage) on ``args``/``kwargs``."""
 
@@ -34,7 +34,7 @@ class ForwardRequest:
     forwarded: dict = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class ForwardResponse:
     """The outputs of call ``call_id``, or the `PipelineError` it raised."""
 
@@ -47,7 +47,7 @@ class ForwardResponse:
     forwarded: dict = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class BackwardRequest:
     """Gradients of the outputs of call ``call_id`` (tensor index -> gradient), for its callee."""
 
@@ -57,7 +57,7 @@ class BackwardRequest:
     grads: dict[int, Any]
 
 
-@dataclass
+@dataclass(slots=True)
 class GradResponse:
     """Gradients of the arguments call ``call_id`` sent (tensor index -> gradient), for its caller."""
 
@@ -70,7 +70,7 @@ class GradResponse:
 GradientMessage = BackwardRequest | GradResponse
 
 
-@dataclass
+@dataclass(slots=True)
 class BeginStep:
     """A step starts: reset per-step state; ``policy`` is the schedule, ``pending`` the shared
     per-micro-batch counter of gradient messages in flight."""
@@ -82,7 +82,7 @@ class BeginStep:
     timeout_s: float
 
 
-@dataclass
+@dataclass(slots=True)
 class ForwardsDone:
     """Micro-batch ``microbatch`` has finished its forward pass (the schedule may care)."""
 
@@ -90,7 +90,7 @@ class ForwardsDone:
     microbatch: int
 
 
-@dataclass
+@dataclass(slots=True)
 class Drained:
     """The last gradient message of ``microbatch`` in flight was processed."""
 
@@ -98,7 +98,7 @@ class Drained:
     microbatch: int
 
 
-@dataclass
+@dataclass(slots=True)
 class Release:
     """Micro-batch ``microbatch`` is complete: drop what the stage kept for its backward."""
 
@@ -106,14 +106,14 @@ class Release:
     microbatch: int
 
 
-@dataclass
+@dataclass(slots=True)
 class Abort:
     """The step failed: cancel its waiting work and drop its messages."""
 
     step: int
 
 
-@dataclass
+@dataclass(slots=True)
 class EndStep:
     """The step is over: reply with a `StepReport` to ``reply_to``."""
 
@@ -121,7 +121,7 @@ class EndStep:
     reply_to: Address
 
 
-@dataclass
+@dataclass(slots=True)
 class StepReport:
     """A stage's timeline spans for a step."""
 
@@ -130,7 +130,7 @@ class StepReport:
     spans: list[tuple[int, str, float, float]] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class MicrobatchFinished:
     """A driver is done: the body's return value, or the error that stopped it."""
 
@@ -140,7 +140,7 @@ class MicrobatchFinished:
     error: BaseException | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Failed:
     """A stage failed outside any forward call (in a backward segment)."""
 
@@ -148,6 +148,6 @@ class Failed:
     error: BaseException
 
 
-@dataclass
+@dataclass(slots=True)
 class Shutdown:
     """Stop the receiving server."""

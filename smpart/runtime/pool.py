@@ -125,13 +125,11 @@ class LeaderFollowers:
                 self._run(tasks[0])
 
     def _receive_tasks(self, timeout_s: float) -> list[Task]:
-        """Admit every message queued, or else the next one to come; the tasks they make."""
-        messages = self._queued()
-        if not messages:
-            message = self._receive(timeout_s)
-            if message is None:
-                return []
-            messages = [message, *self._queued()]
+        """Admit the next message to come and every other one already queued; the tasks they make."""
+        message = self._receive(timeout_s)
+        if message is None:
+            return []
+        messages = [message, *self._queued()]
         try:
             return self._admit(messages)
         except StopServing:

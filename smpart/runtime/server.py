@@ -28,6 +28,7 @@ work it cannot run on its own stack goes to another thread, so nothing waits und
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -69,6 +70,14 @@ _call_ids = itertools.count()
 
 def new_call_id() -> int:
     return next(_call_ids)
+
+
+_UNCHANGED = contextlib.nullcontext()
+
+
+def grad_mode(enabled: bool) -> contextlib.AbstractContextManager:
+    """``torch.set_grad_enabled(enabled)``, or a no-op when it already is (the usual case)."""
+    return _UNCHANGED if torch.is_grad_enabled() == enabled else torch.set_grad_enabled(enabled)
 
 
 def driver_address(step: int, microbatch: int) -> tuple:
@@ -236,12 +245,12 @@ class ExecutionServer:
         output = error = None
         forwarded: dict = {}
         try:
-            inputs = (request.args, request.kwargs)
             route = boundary.route_back(request.reply_to, request.call_id, False, request.forwarded)
-            args, kwargs = boundary.arrive(inputs, self.device, route if request.grad_enabled else None,
-                                           gradient_poster(self.transport.send, run.pending, run.step, mb))
+            post = gradient_poster(self.transport.send, run.pending, run.step, mb)
+            args, kwargs = boundary.arrive_call(request.args, request.kwargs, self.device,
+                                                route if request.grad_enabled else None, post)
             staged: StagedForward = self.modules[request.module].__dict__["forward"]
-            with running(frame), torch.set_grad_enabled(request.grad_enabled):
+            with running(frame), grad_mode(request.grad_enabled):
                 output = staged.run_here(frame, args, kwargs)
             what = lambda: f"the output of module {request.module!r} (stage {self.stage})"  # noqa: E731
             kept, forwarded = boundary.depart(output, request.grad_enabled, what)
@@ -268,8 +277,8 @@ class ExecutionServer:
         mb = frame.microbatch
         call_id = new_call_id()
         grad = torch.is_grad_enabled()
-        kept, forwarded = boundary.depart((args, kwargs), grad,
-                                          lambda: f"the arguments of module {module!r} (stage {stage})")
+        kept, forwarded = boundary.depart_call(args, kwargs, grad,
+                                               lambda: f"the arguments of module {module!r} (stage {stage})")
         if kept is not None:
             run.sent[mb][call_id] = (module, kept)
         resume = self.glue.ticket(RESUME, mb)
@@ -326,10 +335,9 @@ class ExecutionServer:
 
     def _backpropagate(self, frame: Frame, messages: list[GradientMessage]) -> None:
         run, mb = frame.run, frame.microbatch
-        outputs = [m for m in messages if isinstance(m, BackwardRequest)]
-        arguments = [m for m in messages if isinstance(m, GradResponse)]
+        served, sent = run.served[mb], run.sent[mb]  # outputs this stage returned, arguments it sent
         with running(frame):  # modules re-run in the backward (checkpointing) run as usual
-            backpropagate([(run.served[mb], outputs), (run.sent[mb], arguments)])
+            backpropagate([(served if isinstance(m, BackwardRequest) else sent, m) for m in messages])
 
     def enter_compute(self, frame: Frame) -> None:
         """A resumed call is about to run a module of this stage: take the compute baton first.

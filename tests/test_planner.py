@@ -360,3 +360,31 @@ def test_cli_plan_json(tmp_path, capsys):
     path.write_text("[[node]]\ndevice = 'A100-40'\ncount = 'four'\n")
     assert main(["plan", "examples.models:gpt2", "--cluster", str(path), "--global-batch", "16"]) == 2
     assert "node[0].count" in capsys.readouterr().err
+
+
+def test_fixed_overheads_shift_the_time_exactly_and_keep_the_split():
+    """A per-micro-batch overhead o costs (B − 1 + pp)·o; a message latency α costs 2α per boundary.
+    Neither moves the boundaries (both are the same for every split)."""
+    tree, cluster = uniform_tree(16), homogeneous(1, 4)
+    base = {(p.pp, p.dp, p.microbatches): p for p in plan(tree, cluster, 64, tp_degrees=[1], top=500)}
+    o, alpha = 2e-3, 5e-4
+    shifted = plan(tree, cluster, 64, tp_degrees=[1], top=500,
+                   microbatch_overhead_s=o, message_latency_s=alpha)
+    assert len(shifted) == len(base)
+    for p in shifted:
+        ref = base[(p.pp, p.dp, p.microbatches)]
+        assert p.starts == ref.starts
+        extra = (p.microbatches - 1 + p.pp) * o + 2 * alpha * (p.pp - 1)
+        assert p.time_s == pytest.approx(ref.time_s + extra, rel=1e-9, abs=1e-12)
+
+
+def test_microbatch_overhead_makes_fewer_microbatches_win():
+    """Without overhead, more micro-batches always shrink the bubble; with a large fixed cost per
+    micro-batch the best plan uses fewer of them."""
+    def best_pipelined(**options):
+        plans = plan(uniform_tree(16), homogeneous(1, 4), 64, tp_degrees=[1], top=500, **options)
+        return min((p for p in plans if p.pp == 4), key=lambda p: p.time_s)
+
+    free, costly = best_pipelined(), best_pipelined(microbatch_overhead_s=10.0)
+    assert free.microbatches > 1
+    assert costly.microbatches < free.microbatches

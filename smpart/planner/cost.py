@@ -18,7 +18,9 @@ AMP's top-down decomposition, generalised to stages whose device groups differ:
   (a compute-bound MLP does not hide a memory-bound attention beside it). Devices without a known
   memory bandwidth, and trees of measured times, are priced by FLOPs alone.
 * **Pipeline.** ``(B − 1)·max_i t_i + Σ_i t_i + Σ_boundaries e_j`` for ``B`` micro-batches, where
-  ``e_j`` sends the activation forward and its gradient back over the boundary's slowest link.
+  ``e_j`` sends the activation forward and its gradient back over the boundary's slowest link
+  (``2·(α + bytes / bandwidth)``, ``α`` = ``message_latency_s``); ``t_i`` includes a fixed
+  ``microbatch_overhead_s`` per micro-batch (zero by default).
 * **Data parallel.** Each stage ring-all-reduces its gradients (``2(n−1)/n · bytes / bw``, the
   slowest link among the stage's nodes); the slowest stage sets the time, added once per step.
 * **Memory per device.** parameter state × ``bytes_per_param`` / tp + activations of the
@@ -69,6 +71,12 @@ class CostOptions:
     trace_batch: int = 1
     #: For a tree of measured times: FLOP/s of the device the times were taken on.
     reference_flops: float | None = None
+    #: Latency of one point-to-point message, paid per boundary crossing on top of bytes / bandwidth
+    #: (the alpha of the alpha-beta model: ~10 µs for NCCL, more for a Python transport).
+    message_latency_s: float = 0.0
+    #: Fixed time a stage spends per micro-batch beyond its layers (framework dispatch, kernel
+    #: launches); the reason many tiny micro-batches stop paying off.
+    microbatch_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -181,8 +189,17 @@ class CostModel:
             replica_memory.append(replicas)
         cuts = np.zeros((max(num - 1, 0), max(k - 1, 1)))
         for j in range(k - 1):
-            cuts[:, j] = 2 * self.cut * microbatch_size / self._p2p_bandwidth(stages[j], stages[j + 1])
+            bandwidth = self._p2p_bandwidth(stages[j], stages[j + 1])
+            cuts[:, j] = 2 * (self.options.message_latency_s + self.cut * microbatch_size / bandwidth)
         return StrategyCosts(times, cuts, memory, replica_memory)
+
+    def fixed_overhead(self, pp: int, microbatches: int) -> float:
+        """Per-micro-batch stage overhead through the pipeline: ``(B − 1 + pp)·o``.
+
+        A constant added to every stage's time shifts ``(B − 1)·max t + Σ t`` by exactly this, so
+        it never changes which boundaries are best, only what the plan costs.
+        """
+        return (microbatches - 1 + pp) * self.options.microbatch_overhead_s
 
     def _shares(self, stage: StageDevices) -> np.ndarray:
         """Fraction of the stage's samples each replica takes (proportional to its speed)."""

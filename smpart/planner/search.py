@@ -68,7 +68,9 @@ def plan(
             continue
         costs = model.strategy(list(strategy.stages), strategy.tp, strategy.microbatch_size,
                                strategy.microbatches)
-        candidates.append((_lower_bound(costs, strategy.microbatches), strategy, costs, model))
+        bound = _lower_bound(costs, strategy.microbatches) + model.fixed_overhead(strategy.pp,
+                                                                                strategy.microbatches)
+        candidates.append((bound, strategy, costs, model))
     if not candidates:
         raise PlanError(f"no strategy splits {cluster.num_devices} devices for a global batch of "
                         f"{global_batch}: it must be divisible by some data-parallel degree")
@@ -87,9 +89,10 @@ def plan(
             infeasible.append((strategy, costs))
             continue
         sync = max(model.dp_sync_time(list(strategy.stages), assignment.starts, strategy.tp))
+        pipeline = assignment.objective + model.fixed_overhead(strategy.pp, strategy.microbatches)
         ranking.add(Plan(
             strategy.pp, strategy.tp, strategy.dp, strategy.microbatches, strategy.microbatch_size,
-            strategy.stages, assignment.starts, assignment.objective + sync, assignment.objective, sync,
+            strategy.stages, assignment.starts, pipeline + sync, pipeline, sync,
             assignment.stage_times, tuple(costs.stage_memory(assignment.starts)), model.layers,
             memory_weight, options.pipeline,
         ))

@@ -87,7 +87,8 @@ def round_trip(calls: int, steps: int, hops: bool = False) -> tuple[float, list[
 def hop_report(model, x) -> list[str]:
     """One more step with every send and receive timestamped: per message kind, the median time in
     the queue (send -> received, wake-up included) and the processing that follows (received -> the
-    next message sent). Timestamping adds ~1 µs per event."""
+    next message sent). Timestamping adds ~1 µs per event. A gradient message that ran inline on
+    the thread that posted it (`ExecutionServer.deliver`) never passes the transport: not listed."""
     transport = current_runtime().transport
     log: list[tuple[float, str]] = []
     send, receive = transport.send, transport.receive

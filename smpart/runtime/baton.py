@@ -12,6 +12,8 @@ on thread timing: micro-batches pass each stage in order, which keeps BatchNorm 
 identical to an unsplit run. Messages that arrived together are admitted under `deferred`, so
 the best of them wins, not the first. A stage has two batons: one for compute, one for the glue
 code of calls resuming after another stage answered (`ExecutionServer.enter_compute`).
+Work offered to a stage with a free, uncontested baton may skip the queue altogether: `try_take`
+grants it at once, as admitting it would have (`ExecutionServer.deliver`).
 
 A ticket is signalled through a bare lock (created held, released once to wake its waiter):
 tickets are taken for every message, and a lock costs a fraction of a `threading.Event`.
@@ -108,6 +110,23 @@ class Baton:
 
     def take(self, kind: str, microbatch: int) -> Ticket:
         return self.enqueue(self.ticket(kind, microbatch))
+
+    def try_take(self, kind: str, microbatch: int) -> Ticket | None:
+        """A ticket already holding the baton, or None unless the baton is free, nobody waits for it
+        and the schedule lets ``kind`` run (then no choice is being bypassed)."""
+        with self._lock:
+            if self._holder is not None or self._waiting or self._deferred or not self._ready(kind):
+                return None
+            ticket = Ticket(kind, microbatch)
+            ticket.arrival = next(self._arrival)
+            self._holder = ticket
+            self._last_kind = kind
+            ticket.grant()
+            return ticket
+
+    def idle(self) -> bool:
+        """Nobody holds the baton or waits for it (a hint: it may change at any moment)."""
+        return self._holder is None and not self._waiting
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:

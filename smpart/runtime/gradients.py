@@ -16,7 +16,8 @@ is done and the count is zero.
 Messages a segment posts are held back until the segment's bookkeeping is done (`held_posts`,
 used when nothing else runs on the stage): the stage they wake then runs alone instead of
 fighting this thread for the GIL during its tail. The boundary node is almost always the last
-node of a segment's graph, so holding delays nothing else.
+node of a segment's graph, so holding delays nothing else. At the flush, a stage's server may
+run a held message itself when its stage is idle (`ExecutionServer.deliver`).
 """
 
 from __future__ import annotations
@@ -127,9 +128,11 @@ def held_posts() -> HeldPosts:
 
 
 def gradient_poster(send: Callable[[Address, object], None], pending: PendingGradients, step: int,
-                    microbatch: int) -> GradPost:
+                    microbatch: int, deliver: Callable[[Address, object], None] | None = None) -> GradPost:
     """What `_Arrive` nodes of ``microbatch`` call: count the message in flight, then send it (or
-    hold it, see `held_posts`; a device's autograd thread on CUDA sends at once)."""
+    hold it, see `held_posts`; a device's autograd thread on CUDA sends at once). A held message
+    is passed to ``deliver`` at the flush (default: ``send``), outside any autograd call."""
+    deliver = deliver or send
 
     def post(target: tuple[Address, int, bool], grads: dict[int, torch.Tensor]) -> None:
         address, call_id, to_outputs = target
@@ -139,6 +142,6 @@ def gradient_poster(send: Callable[[Address, object], None], pending: PendingGra
         if held is None:
             send(address, message)
         else:
-            held.messages.append((address, message, send))
+            held.messages.append((address, message, deliver))
 
     return post

@@ -41,6 +41,8 @@ class Runtime:
         self.devices = choose_devices(config)
         self.transport = ThreadTransport()
         self.servers = [ExecutionServer(s, d, self.transport) for s, d in enumerate(self.devices)]
+        for server in self.servers:
+            server.peers = self.servers
         self.steps = itertools.count()
         self.models: weakref.WeakSet[DistributedModel] = weakref.WeakSet()
         self._step_lock = threading.Lock()

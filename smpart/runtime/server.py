@@ -12,6 +12,9 @@ each into work, run by the thread that received it:
   everything in that backlog (`smpart.runtime.gradients`);
 - control messages (step begin/end, forward done, release, abort) update per-step state.
 
+A gradient message for an idle stage of the same process skips all that: the thread that posted
+it runs the stage's backward segment itself (`ExecutionServer.deliver`).
+
 A call from this stage to a module on another stage gives the baton back while it waits, so the
 stage keeps serving other micro-batches and nested placement (stage 1 calling a child pinned to
 stage 0, itself called from stage 0) cannot deadlock. No thread ever blocks inside autograd:
@@ -32,7 +35,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +76,7 @@ def new_call_id() -> int:
 
 
 _UNCHANGED = contextlib.nullcontext()
+_trampoline = threading.local()  # `ExecutionServer.deliver`: the work queued on this thread
 
 
 def grad_mode(enabled: bool) -> contextlib.AbstractContextManager:
@@ -122,6 +126,9 @@ class ExecutionServer:
         self.baton = Baton()  # the stage's compute: module code and backward segments
         self.glue = Baton()  # calls resuming after a remote answer, in arrival order
         self.run: StageStep | None = None
+        #: The servers of the same process, by stage (set by the runtime): an idle one may run a
+        #: gradient message on the sending thread (`deliver`).
+        self.peers: list[ExecutionServer] = []
         self._handlers: dict[type, Callable[[Any], Task | None]] = {
             BeginStep: self._on_begin,
             ForwardRequest: self._on_forward_request,
@@ -246,7 +253,7 @@ class ExecutionServer:
         forwarded: dict = {}
         try:
             route = boundary.route_back(request.reply_to, request.call_id, False, request.forwarded)
-            post = gradient_poster(self.transport.send, run.pending, run.step, mb)
+            post = gradient_poster(self.transport.send, run.pending, run.step, mb, self.deliver)
             args, kwargs = boundary.arrive_call(request.args, request.kwargs, self.device,
                                                 route if request.grad_enabled else None, post)
             staged: StagedForward = self.modules[request.module].__dict__["forward"]
@@ -297,10 +304,11 @@ class ExecutionServer:
             raise response.error
         route = boundary.route_back(stage, call_id, True, response.forwarded)
         return boundary.arrive(response.output, self.device, route if grad else None,
-                               gradient_poster(self.transport.send, run.pending, run.step, mb))
+                               gradient_poster(self.transport.send, run.pending, run.step, mb, self.deliver))
 
-    def _run_backward(self, run: StageStep, mb: int, ticket: Ticket) -> None:
-        """One backward segment for every gradient message of ``mb`` queued so far."""
+    def _run_backward(self, run: StageStep, mb: int, ticket: Ticket, inline: bool = False) -> None:
+        """One backward segment for every gradient message of ``mb`` queued so far (``inline``: on
+        another stage's thread, see `deliver`)."""
         try:
             self.baton.wait(ticket, run.timeout_s, lambda: self._describe_wait(None, mb),
                             self.threads.serve)
@@ -316,7 +324,7 @@ class ExecutionServer:
         # Hold our messages only if no other thread of this stage runs (we lead, see `pool`): else
         # one of them may admit our message to ourselves before we release the baton, so that the
         # schedule sees it when it picks the next work (micro-batch 0's next segment before 1's).
-        held = held_posts() if self.threads.leading() else None
+        held = held_posts() if inline or self.threads.leading() else None
         try:
             if messages and mb not in run.released:
                 self._backpropagate(frame, messages)
@@ -332,6 +340,68 @@ class ExecutionServer:
                     self.transport.send(driver_address(run.step, mb), Drained(run.step, mb))
             if held is not None:
                 held.flush()
+
+    # ================================================================ running gradients inline
+    def deliver(self, address: Any, message: GradientMessage) -> None:
+        """Deliver a gradient message posted by this stage, after the segment that posted it ended.
+
+        When the stage it goes to is idle (`run_inline`), its backward segment runs right here on
+        the sending thread: no queue, no thread wake-up, no hand-over of the GIL, which is most of
+        a small hop's cost. The segment run here posts in turn, so a backward pass ping-ponging
+        between two stages can run entirely on one thread, without either stage ever waiting.
+
+        The trick is a trampoline: a segment run inline does not deliver its own posts (the stack
+        would grow by a segment per hop); it queues them on this thread, and the outermost
+        `deliver` works the queue off. Only the last queued message may run inline: any message
+        before it is sent at once, so its stage never waits behind another stage's segment.
+        """
+        work: deque | None = getattr(_trampoline, "work", None)
+        if work is not None:  # a `deliver` further down this stack works the queue off
+            work.append((self, address, message))
+            return
+        _trampoline.work = work = deque([(self, address, message)])
+        try:
+            while work:
+                sender, address, message = work.popleft()
+                if work or not sender._run_elsewhere(address, message):
+                    sender.transport.send(address, message)
+        finally:
+            _trampoline.work = None
+
+    def _run_elsewhere(self, address: Any, message: GradientMessage) -> bool:
+        """Run ``message`` for the stage at ``address`` on this thread, if both stages are idle.
+
+        Leaving for another stage, the thread passes on its own stage's receiving (`step_aside`):
+        this stage must stay served. That wakes a follower, so it is done only when this stage has
+        nothing waiting; a busy stage keeps its thread and sends the message as usual.
+        """
+        target = self.peers[address] if type(address) is int and address < len(self.peers) else None
+        if target is None or not target.idle():
+            return False
+        if target is not self:
+            if not self.idle():
+                return False
+            self.threads.step_aside()
+        return target.run_inline(message)
+
+    def idle(self) -> bool:
+        """Nothing runs on this stage, nothing waits to, nothing is in its inbox (a hint)."""
+        return self.baton.idle() and self.transport.idle(self.stage)
+
+    def run_inline(self, message: GradientMessage) -> bool:
+        """Run ``message``'s backward segment on the calling thread if this stage is idle: its baton
+        free and contested by nobody, nothing in its inbox. Then no scheduling choice is bypassed:
+        had the message been sent, it would have been admitted and granted at once, alone."""
+        run = self._live(message)
+        if run is None or not self.transport.idle(self.stage):
+            return False
+        ticket = self.baton.try_take(BACKWARD, message.microbatch)
+        if ticket is None:
+            return False
+        with run.lock:
+            run.backlog[message.microbatch].append(message)
+        self._run_backward(run, message.microbatch, ticket, inline=True)
+        return True
 
     def _backpropagate(self, frame: Frame, messages: list[GradientMessage]) -> None:
         run, mb = frame.run, frame.microbatch

@@ -36,6 +36,10 @@ class Transport(ABC):
     def receive(self, address: Address, timeout: float) -> Any | None:
         """The next message for ``address``, or None after ``timeout`` seconds (0: do not wait)."""
 
+    def idle(self, address: Address) -> bool:
+        """True if no message is waiting for ``address`` (False when the transport cannot tell)."""
+        return False
+
 
 class ThreadTransport(Transport):
     """Threads of one process: one unbounded FIFO queue per address, messages passed by reference.
@@ -59,6 +63,10 @@ class ThreadTransport(Transport):
         inbox = self._queues.get(address)
         if inbox is not None:
             inbox.put(message)
+
+    def idle(self, address: Address) -> bool:
+        inbox = self._queues.get(address)
+        return inbox is not None and inbox.empty()
 
     def receive(self, address: Address, timeout: float) -> Any | None:
         inbox = self._queues.get(address)

@@ -15,15 +15,15 @@ from smpart.errors import (
 from smpart.partition.result import Partition, StageLoad
 from smpart.tracing.tree import DataEdge, ModuleNode, ModuleTree
 
-# --- tracing (issue 2) ---
+# The functions below are imported after the data classes above, each in its own block, because
+# ``smpart.partition`` (the function) must win over the subpackage of the same name, which Python
+# binds as an attribute of ``smpart`` when a ``smpart.partition.*`` module is first imported.
 # isort: split
 from smpart.tracing.tracer import trace
 
-# --- partition (issue 2) ---
 # isort: split
 from smpart.partition.api import partition
 
-# --- runtime (issue 3) ---
 # isort: split
 from smpart.runtime import (
     DistributedModel,
@@ -36,7 +36,6 @@ from smpart.runtime import (
     step,
 )
 
-# --- planner (issue 4) ---
 # isort: split
 from smpart.planner import Cluster, DeviceType, Plan, Plans, plan
 
@@ -57,7 +56,6 @@ __all__ = [
     "TraceError",
     "trace",
     "partition",
-    # runtime (issue 3)
     "DistributedModel",
     "DistributedOptimizer",
     "StepOutput",
@@ -66,7 +64,6 @@ __all__ = [
     "set_partition",
     "shutdown",
     "step",
-    # planner (issue 4)
     "Cluster",
     "DeviceType",
     "Plan",

@@ -87,8 +87,9 @@ def round_trip(calls: int, steps: int, hops: bool = False) -> tuple[float, list[
 def hop_report(model, x) -> list[str]:
     """One more step with every send and receive timestamped: per message kind, the median time in
     the queue (send -> received, wake-up included) and the processing that follows (received -> the
-    next message sent). Timestamping adds ~1 µs per event. A gradient message that ran inline on
-    the thread that posted it (`ExecutionServer.deliver`) never passes the transport: not listed."""
+    next message sent). Timestamping adds ~1 µs per event. Work run on the thread that offered it
+    (a gradient message, `ExecutionServer.deliver`; a forward call, `ExecutionServer._call_elsewhere`)
+    never passes the transport: not listed (between idle stages, that is every hop)."""
     transport = current_runtime().transport
     log: list[tuple[float, str]] = []
     send, receive = transport.send, transport.receive
@@ -111,10 +112,10 @@ def hop_report(model, x) -> list[str]:
     gaps: dict[tuple[str, str], list[float]] = {}
     for (t0, a), (t1, b) in itertools.pairwise(log):
         gaps.setdefault((a, b), []).append(t1 - t0)
-    return ["  per hop (median µs, count):"] + [
-        f"    {a:>26} -> {b:<26} {statistics.median(times) * 1e6:6.1f}  x{len(times)}"
-        for (a, b), times in sorted(gaps.items(), key=lambda kv: -sum(kv[1])) if len(times) >= 10
-    ]
+    lines = [f"    {a:>26} -> {b:<26} {statistics.median(times) * 1e6:6.1f}  x{len(times)}"
+             for (a, b), times in sorted(gaps.items(), key=lambda kv: -sum(kv[1])) if len(times) >= 10]
+    lines = lines or ["    none: every hop ran on the thread that offered it"]
+    return ["  per hop (median µs, count):", *lines]
 
 
 def mlp(width: int = 1024, depth: int = 4) -> nn.Sequential:

@@ -13,7 +13,7 @@ identical to an unsplit run. Messages that arrived together are admitted under `
 the best of them wins, not the first. A stage has two batons: one for compute, one for the glue
 code of calls resuming after another stage answered (`ExecutionServer.enter_compute`).
 Work offered to a stage with a free, uncontested baton may skip the queue altogether: `try_take`
-grants it at once, as admitting it would have (`ExecutionServer.deliver`).
+grants it at once, as admitting it would have (`ExecutionServer._take_inline`).
 
 A ticket is signalled through a bare lock (created held, released once to wake its waiter):
 tickets are taken for every message, and a lock costs a fraction of a `threading.Event`.

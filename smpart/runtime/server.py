@@ -12,8 +12,11 @@ each into work, run by the thread that received it:
   everything in that backlog (`smpart.runtime.gradients`);
 - control messages (step begin/end, forward done, release, abort) update per-step state.
 
-A gradient message for an idle stage of the same process skips all that: the thread that posted
-it runs the stage's backward segment itself (`ExecutionServer.deliver`).
+Work for an idle stage of the same process skips all that: the thread that posted a gradient
+message runs the stage's backward segment itself (`ExecutionServer.deliver`), and a stage calling
+a module of an idle stage runs the call itself (`ExecutionServer._call_elsewhere`), so a round
+trip between idle stages passes no queue and wakes no thread. Either runs only when it changes
+nothing about the order work runs in (`ExecutionServer._take_inline` gives the argument).
 
 A call from this stage to a module on another stage gives the baton back while it waits, so the
 stage keeps serving other micro-batches and nested placement (stage 1 calling a child pinned to
@@ -154,13 +157,17 @@ class ExecutionServer:
 
     # ================================================================ admitting messages
     def _admit_all(self, messages: list[Any]) -> list[Task]:
-        """Admit messages that arrived together; tickets are granted once all are in."""
-        if len(messages) == 1:
-            task = self._admit(messages[0])
-            return [] if task is None else [task]
-        with self.baton.deferred(), self.glue.deferred():
-            tasks = [self._admit(message) for message in messages]
-        return [task for task in tasks if task is not None]
+        """Admit messages that arrived together; tickets are granted once all are in. Only then
+        does the transport stop counting them as unadmitted (`run_inline` relies on it)."""
+        try:
+            if len(messages) == 1:
+                task = self._admit(messages[0])
+                return [] if task is None else [task]
+            with self.baton.deferred(), self.glue.deferred():
+                tasks = [self._admit(message) for message in messages]
+            return [task for task in tasks if task is not None]
+        finally:
+            self.transport.admitted(self.stage, len(messages))
 
     def _admit(self, message: Any) -> Task | None:
         """Turn a message into work (returned, run by the receiving thread) or handle it now."""
@@ -248,6 +255,13 @@ class ExecutionServer:
             self._answer(run, request, error=PipelineError(str(err), stage=self.stage, module=request.module,
                                                            microbatch=mb))
             return
+        response = self._compute(run, request, ticket)
+        if response is not None and not run.aborted:
+            self.transport.send(request.reply_to, response)
+
+    def _compute(self, run: StageStep, request: ForwardRequest, ticket: Ticket) -> ForwardResponse | None:
+        """Run a requested module call holding ``ticket`` (granted); its answer, None if cancelled."""
+        mb = request.microbatch
         frame = Frame(self, run.step, mb, run=run, ticket=ticket, since=time.perf_counter())
         output = error = None
         forwarded: dict = {}
@@ -264,12 +278,12 @@ class ExecutionServer:
             if kept is not None:
                 run.served[mb][request.call_id] = (request.module, kept)
         except Cancelled:
-            return
+            return None
         except Exception as err:
             error = as_pipeline_error(err, self.stage, request.module, mb)
         finally:
             self._step_out(frame)
-        self._answer(run, request, output=output, error=error, forwarded=forwarded)
+        return ForwardResponse(run.step, mb, request.call_id, output, error, forwarded)
 
     def _answer(self, run: StageStep, request: ForwardRequest, output: Any = None,
                 error: BaseException | None = None, forwarded: dict | None = None) -> None:
@@ -289,10 +303,15 @@ class ExecutionServer:
         if kept is not None:
             run.sent[mb][call_id] = (module, kept)
         resume = self.glue.ticket(RESUME, mb)
-        run.waiting[call_id] = resume
         request = ForwardRequest(run.step, mb, call_id, self.stage, module, args, kwargs, grad, forwarded)
         self._step_out(frame)  # before sending: the callee then runs alone, not against our tail
-        self.transport.send(stage, request)
+        answer = self._call_elsewhere(stage, request)
+        if answer is not None:  # answered on this thread: resume as if the answer had arrived
+            resume.payload = answer
+            self.glue.enqueue(resume)
+        else:
+            run.waiting[call_id] = resume
+            self.transport.send(stage, request)
         try:
             self.glue.wait(resume, run.timeout_s, lambda: self._describe_wait(module, mb, stage),
                             self.threads.serve)
@@ -385,23 +404,63 @@ class ExecutionServer:
         return target.run_inline(message)
 
     def idle(self) -> bool:
-        """Nothing runs on this stage, nothing waits to, nothing is in its inbox (a hint)."""
+        """Nothing runs on this stage, nothing waits to, no message sent to it awaits admission (a
+        hint)."""
         return self.baton.idle() and self.transport.idle(self.stage)
 
     def run_inline(self, message: GradientMessage) -> bool:
-        """Run ``message``'s backward segment on the calling thread if this stage is idle: its baton
-        free and contested by nobody, nothing in its inbox. Then no scheduling choice is bypassed:
-        had the message been sent, it would have been admitted and granted at once, alone."""
+        """Run ``message``'s backward segment on the calling thread if this stage is idle (see
+        `_take_inline`)."""
         run = self._live(message)
-        if run is None or not self.transport.idle(self.stage):
-            return False
-        ticket = self.baton.try_take(BACKWARD, message.microbatch)
+        ticket = run and self._take_inline(BACKWARD, message.microbatch)
         if ticket is None:
             return False
         with run.lock:
             run.backlog[message.microbatch].append(message)
         self._run_backward(run, message.microbatch, ticket, inline=True)
         return True
+
+    def _take_inline(self, kind: str, microbatch: int) -> Ticket | None:
+        """The compute baton for work offered on another thread, if running it there now bypasses
+        nothing: then the caller runs the work itself instead of sending the message.
+
+        Why this keeps micro-batches in order (BatchNorm's running statistics depend on it): the
+        transport counts a message from the moment it is sent until this stage has taken its
+        ticket (`ThreadTransport.idle`, `_admit_all`), so at every instant each message for this
+        stage is visible as unadmitted, or as a ticket in the baton, or both. We look at the count
+        first and at the baton second (`Baton.try_take`: free, nobody waiting, nothing being
+        admitted). A message sent before the look is therefore seen, in one place or the other,
+        unless its work has already run to the end, and we decline; a message sent after it is a
+        later arrival, which the baton would have queued behind us anyway. So the work runs exactly
+        when it would have, had the message been sent and admitted at once, alone: with the same
+        arrival order, no scheduling choice is made differently.
+        """
+        if not self.transport.idle(self.stage):
+            return None
+        return self.baton.try_take(kind, microbatch)
+
+    def _call_elsewhere(self, stage: int, request: ForwardRequest) -> ForwardResponse | None:
+        """Run a forward call for the stage ``stage`` of this process on this thread, if both stages
+        are idle; its answer (None: send the request as usual).
+
+        The forward half of a round trip then costs neither a queue, nor a thread wake-up, nor a
+        hand-over of the GIL, each way. The calling thread was going to wait for the answer
+        anyway; it runs the callee's module instead, as the callee's stage (its own frame, the
+        callee's baton ticket, taken by `_take_inline`), then resumes like an answered call
+        (the glue baton). As in `_run_elsewhere`, this stage's receiving is passed on first.
+        """
+        target = self.peers[stage] if stage < len(self.peers) else None
+        if target is None or target is self or not self.idle():
+            return None
+        run = target._live(request)
+        ticket = run and target._take_inline(FORWARD, request.microbatch)
+        if ticket is None:
+            return None
+        self.threads.step_aside()
+        answer = target._compute(run, request, ticket)
+        if answer is None or run.aborted:
+            raise Cancelled()
+        return answer
 
     def _backpropagate(self, frame: Frame, messages: list[GradientMessage]) -> None:
         run, mb = frame.run, frame.microbatch

@@ -12,7 +12,11 @@ from typing import Any
 
 from smpart.errors import ConfigError
 
-PIPELINES = ("simple", "interleaved")
+#: Schedule names: the field's names and SMP's aliases (simple = gpipe, interleaved = 1f1b).
+PIPELINES = ("gpipe", "1f1b", "simple", "interleaved")
+PIPELINE_ALIASES = {"simple": "gpipe", "interleaved": "1f1b"}
+PLACEMENT_STRATEGIES = ("cluster", "spread")
+BACKENDS = ("auto", "gloo", "nccl")
 TRACE_DEVICES = ("meta", "real")
 
 
@@ -28,7 +32,18 @@ class Config:
     #: Cap on micro-batches in flight at once (None: the schedule's own bound).
     active_microbatches: int | None = None
     tensor_parallel_degree: int = 1
-    data_parallel_degree: int = 1
+    #: None: derived from the world size (world = pp x tp x dp); 1 on threads.
+    data_parallel_degree: int | None = None
+    #: How ranks map onto the mesh: "cluster" keeps a tensor-parallel group on adjacent ranks
+    #: (inside one node), "spread" puts adjacent ranks in different tensor-parallel groups.
+    placement_strategy: str = "cluster"
+    #: Shard optimizer state across the data-parallel group (ZeRO-1).
+    shard_optimizer_state: bool = False
+    #: Modules (qualified names or fnmatch patterns like "transformer.h.*") whose forward is
+    #: recomputed in the backward (torch.utils.checkpoint) instead of keeping activations.
+    activation_checkpointing: list[str] = field(default_factory=list)
+    #: Process-group backend under torchrun: "auto" (nccl with CUDA, else gloo), "gloo", "nccl".
+    backend: str = "auto"
     #: Weight of memory against compute in each module's cost (0: compute only, 1: memory only).
     memory_weight: float = 0.8
     #: Device of each stage, e.g. ["cuda:0", "cuda:1"] or ["cpu", "cpu"]; None: one CUDA device
@@ -74,15 +89,30 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def schedule(self) -> str:
+        """The schedule's canonical name ("gpipe" or "1f1b"), whichever alias was configured."""
+        return PIPELINE_ALIASES.get(self.pipeline, self.pipeline)
+
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         for name in (
             "pipeline_parallel_degree",
             "microbatches",
             "tensor_parallel_degree",
-            "data_parallel_degree",
         ):
             _positive_int(name, getattr(self, name))
+        if self.data_parallel_degree is not None:
+            _positive_int("data_parallel_degree", self.data_parallel_degree)
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ConfigError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
+                              f"got {self.placement_strategy!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.activation_checkpointing, list | tuple) or not all(
+                isinstance(p, str) for p in self.activation_checkpointing):
+            raise ConfigError("activation_checkpointing must be a list of module names or patterns, got "
+                              f"{self.activation_checkpointing!r}")
         if self.active_microbatches is not None:
             _positive_int("active_microbatches", self.active_microbatches)
         if self.pipeline not in PIPELINES:

@@ -85,7 +85,7 @@ def init(config: Config | dict[str, Any] | None = None, **kwargs: Any) -> Config
     """
     global _runtime
     cfg = Config.from_any(config, **kwargs)
-    if cfg.tensor_parallel_degree != 1 or cfg.data_parallel_degree != 1:
+    if cfg.tensor_parallel_degree != 1 or (cfg.data_parallel_degree or 1) != 1:
         raise ConfigError("this runtime runs pipeline parallelism only: tensor_parallel_degree and "
                           "data_parallel_degree must be 1")
     shutdown()

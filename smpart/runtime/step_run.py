@@ -38,7 +38,7 @@ class StepRun:
         self.microbatches = len(pieces)
         self.transport = runtime.transport
         self.num_stages = len(runtime.servers)
-        self.policy = schedule_named(config.pipeline)
+        self.policy = schedule_named({"gpipe": "simple", "1f1b": "interleaved"}.get(config.pipeline, config.pipeline))
         self.in_flight = self.policy.in_flight(self.microbatches, self.num_stages, config.active_microbatches)
         self.average_grads = config.average_grads_across_microbatches
         self.timeout_s = config.timeout_s

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -388,3 +389,93 @@ def test_microbatch_overhead_makes_fewer_microbatches_win():
     free, costly = best_pipelined(), best_pipelined(microbatch_overhead_s=10.0)
     assert free.microbatches > 1
     assert costly.microbatches < free.microbatches
+
+
+# ---------------------------------------------------------------------------- activation checkpointing
+def checkpointable_tree(saved: int, inputs: int | None, n_layer: int = 4, params: int = 2_500_000_000,
+                        flops: float = 1e12) -> ModuleTree:
+    """Equal layers that save ``saved`` bytes per sample for backward, ``inputs`` if checkpointed."""
+    layer = {"flops": flops, "param_count": params, "param_bytes": 4 * params, "activation_bytes": 2 << 20,
+             "saved_bytes": saved}
+    if inputs is not None:
+        layer["checkpoint_bytes"] = inputs
+    layers = [{"name": f"layer{i}", **layer} for i in range(n_layer)]
+    return ModuleTree.from_spec({"name": "", "children": layers})
+
+
+def test_a_model_that_fits_only_with_checkpointing_gets_it_on_the_stages_that_need_it():
+    """Each A100 holds one layer's state (40 GB of 72 usable) and a few micro-batches of its 10 GiB
+    of saved activations. 1F1B keeps 4 micro-batches in flight on stage 0, 3 on stage 1...: only
+    stage 0 overflows, and only stage 0 checkpoints (1 GiB of inputs per micro-batch)."""
+    options = {"tp_degrees": [1], "bytes_per_param": 16.0}
+    with pytest.raises(PlanError, match="overflows"):
+        plan(checkpointable_tree(10 * GIB, None), homogeneous(1, 4), 4, **options)
+    plans = plan(checkpointable_tree(10 * GIB, GIB), homogeneous(1, 4), 4, **options)
+    best = plans.best
+    assert (best.pp, best.microbatches) == (4, 4)
+    assert best.checkpointed == (True, False, False, False) and best.checkpointed_stages == [0]
+    assert best.activation_checkpointing == ["layer0"]
+    assert best.config.activation_checkpointing == ["layer0"]
+    assert all(used <= budget for used, budget in best.stage_memory)
+    state = 2_500_000_000 * 16
+    assert best.stage_memory[0][0] == pytest.approx(state + 4 * GIB)  # 4 micro-batches of inputs
+    assert best.stage_memory[1][0] == pytest.approx(state + 3 * 10 * GIB)
+    # the checkpointed stage pays one more forward: 4 F instead of 3 F
+    assert best.stage_times[0] == pytest.approx(best.stage_times[1] * 4 / 3)
+    assert "checkpointing stage(s) 0" in best.summary()
+    assert any("only with activation checkpointing" in reason for reason in plans.reasons())
+    assert [s["activation_checkpointing"] for s in best.to_dict()["stages"]] == [True, False, False, False]
+    partition = best.partition  # costed as checkpointed
+    assert partition.tree.node("layer0").recomputed and not partition.tree.node("layer1").recomputed
+
+
+def test_checkpointing_is_never_chosen_when_the_plain_plan_fits():
+    tree = checkpointable_tree(GIB, GIB // 8, params=10**8)
+    for p in plan(tree, homogeneous(1, 4), 8, top=50):
+        assert p.checkpointed == () and p.config.activation_checkpointing == []
+
+
+def test_a_layer_whose_inputs_outweigh_its_saved_tensors_is_not_checkpointed():
+    tree = ModuleTree.from_spec({"name": "", "children": [
+        {"name": "emb", "flops": 1e9, "saved_bytes": 100, "checkpoint_bytes": 400},
+        {"name": "block", "flops": 1e12, "saved_bytes": 10**6, "checkpoint_bytes": 10**4, "op_bytes": 10**5},
+        {"name": "norm", "flops": 1e6, "saved_bytes": 100, "checkpoint_bytes": 60},  # saves too little
+        {"name": "never", "call_count": 0, "checkpoint_bytes": 0}]})
+    layers = layer_sequence(tree, max_share=1.0)
+    assert layers.names == ["emb", "block", "norm", "never"]
+    assert layers.checkpointable.tolist() == [False, True, False, False]
+    assert layers.checkpoint_activation_bytes.tolist() == [100, 10**4, 100, 0]
+    assert layers.checkpoint_names([0, 1, 2, 3]) == ["block"]
+    model = CostModel(layers, homogeneous(1, 1))
+    stage = StageDevices(((next(model.cluster.devices()),),))
+    plain = model.strategy([stage], 1, 1, 1).layer_times[0]
+    checkpointed = model.strategy([stage], 1, 1, 1, checkpointed=True).layer_times[0]
+    assert checkpointed[0] == plain[0] and checkpointed[2] == plain[2] and checkpointed[3] == plain[3]
+    assert checkpointed[1] == pytest.approx(plain[1] * 4 / 3)  # compute-bound: one more forward of 3
+
+
+def test_even_checkpointing_everything_may_not_fit():
+    with pytest.raises(PlanError, match="even with activation checkpointing on every stage"):
+        plan(checkpointable_tree(80 * GIB, 40 * GIB), homogeneous(1, 4), 4, tp_degrees=[1])
+
+
+def test_a_traced_model_is_planned_with_its_blocks_checkpointed():
+    """End to end: a traced GPT on devices too small for its saved activations; the plan's config
+    names modules that `checkpointed_names` resolves on the model itself."""
+    from examples.models import gpt2
+    from smpart.runtime.activation_checkpointing import checkpointed_names
+    from smpart.tracing.tracer import trace
+
+    example = gpt2(n_layer=12, n_embd=64, seq_len=64, batch_size=8)  # blocks stay whole layers
+    tree = trace(example.model, example.args)
+    per_sample = sum(tree.activation_memory_of(n) for n in tree.nodes()) / 8
+    params = sum(p.numel() for p in example.model.parameters())
+    # room for 60% of the training state (so two stages) and a third of one sample's saved tensors
+    tiny = DeviceType("Tiny", 1.0, int((params * 16 * 0.6 + per_sample / 3) / 0.9), 1e11)
+    cluster = Cluster([Node(tiny, 2, 100 * GBPS)])
+    best = plan(tree, cluster, 2, trace_batch=8, tp_degrees=[1]).best
+    assert best.checkpointed_stages
+    names = best.config.activation_checkpointing
+    # whole blocks; not the tied embedding + LM head: checkpointed, it would keep the logits anyway
+    assert names and all(re.fullmatch(r"transformer\.h\.\d+", name) for name in names)
+    assert checkpointed_names(example.model, names, registry=None) == names

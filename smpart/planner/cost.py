@@ -30,6 +30,12 @@ AMP's top-down decomposition, generalised to stages whose device groups differ:
   the modules' outputs: those are 3-5× smaller for a transformer block (its attention scores and
   MLP hidden states are saved but never returned), so a plan priced by outputs can overflow.
 
+* **Activation checkpointing.** A stage may checkpoint its layers (`smpart.planner.search` decides
+  which): a checkpointed layer keeps only its root module's inputs (`LayerSeq`'s
+  ``checkpoint_activation_bytes``) and runs its forward again in the backward: its nodes' forward
+  FLOPs and forward memory traffic once more, and, under tensor parallelism, the two forward
+  all-reduces once more. ``strategy(..., checkpointed=True)`` prices every layer that way.
+
 ``bytes_per_param`` defaults to 16: fp16 weights and gradients (2 + 2) plus fp32 master weights
 and Adam's two moments (4 + 4 + 4), the mixed-precision Adam figure of ZeRO and Megatron. Pass
 ``bytes_per_param=None`` to use the tree's own ``param_memory_factor`` × parameter bytes instead.
@@ -127,6 +133,19 @@ class StrategyCosts:
     layer_memory: np.ndarray
     #: Per stage, per replica: (bytes per device of each layer, that device's usable bytes).
     replica_memory: list[list[tuple[np.ndarray, float]]]
+    #: Per stage: whether these rows price its layers checkpointed.
+    checkpointed: tuple[bool, ...] = ()
+
+    def mixed(self, checkpointed: StrategyCosts, stages: tuple[bool, ...]) -> StrategyCosts:
+        """Rows of ``checkpointed`` for the stages flagged in ``stages``, this one's for the rest."""
+        pick = np.array(stages)[:, None]
+        return StrategyCosts(
+            np.where(pick, checkpointed.layer_times, self.layer_times), self.cut_costs,
+            np.where(pick, checkpointed.layer_memory, self.layer_memory),
+            [ck if flag else plain for plain, ck, flag in
+             zip(self.replica_memory, checkpointed.replica_memory, stages, strict=True)],
+            tuple(stages),
+        )
 
     def stage_memory(self, starts: tuple[int, ...]) -> list[tuple[float, float]]:
         """(bytes, usable bytes) of the fullest device of each stage under this assignment."""
@@ -163,8 +182,14 @@ class CostModel:
         # each byte an op writes is read back at least once: 2 bytes of traffic, forward and backward
         traffic = 0.0 if measured else 2.0 * opts.activation_scale * (1 + opts.backward_factor) * per_sample
         self.node_traffic = layers.node_op_bytes * traffic
-        self._sample_times: dict[tuple[float, float], np.ndarray] = {}
+        # a checkpointed layer's nodes run one more forward: its FLOPs and its traffic, forward only
+        forward_to_flops = (opts.reference_flops if measured else 1.0) * per_sample
+        self.recompute_flops = layers.node_recompute * forward_to_flops
+        forward_traffic = 0.0 if measured else 2.0 * opts.activation_scale * per_sample
+        self.recompute_traffic = layers.node_op_bytes * layers.node_recomputed * forward_traffic
+        self._sample_times: dict[tuple[float, float, bool], np.ndarray] = {}
         self.act = layers.activation_bytes * opts.activation_scale * per_sample
+        self.act_checkpointed = layers.checkpoint_activation_bytes * opts.activation_scale * per_sample
         outputs = np.array([root.activation_bytes for root in layers.roots], dtype=float)
         self.out = outputs * opts.activation_scale * per_sample
         self.cut = layers.cut_bytes * opts.activation_scale * per_sample
@@ -175,23 +200,29 @@ class CostModel:
         self.has_params = layers.param_count > 0
 
     # ---------------------------------------------------------------- per strategy
+    @property
+    def can_checkpoint(self) -> bool:
+        """Whether checkpointing any layer would keep fewer bytes."""
+        return bool(self.layers.checkpointable.any())
+
     def strategy(self, stages: list[StageDevices], tp: int, microbatch_size: int,
-                 microbatches: int) -> StrategyCosts:
+                 microbatches: int, checkpointed: bool = False) -> StrategyCosts:
+        """Per-stage rows of one strategy; ``checkpointed``: every checkpointable layer is."""
         k, num = len(stages), len(self.layers)
         times = np.empty((k, num))
         memory = np.empty((k, num))
         replica_memory = []
         for j, stage in enumerate(stages):
-            times[j] = self._layer_times(stage, tp, microbatch_size)
+            times[j] = self._layer_times(stage, tp, microbatch_size, checkpointed)
             in_flight = microbatches if self.options.pipeline == "simple" else min(k - j, microbatches)
-            replicas = self._replica_memory(stage, tp, microbatch_size, in_flight)
+            replicas = self._replica_memory(stage, tp, microbatch_size, in_flight, checkpointed)
             memory[j] = np.max([row / budget for row, budget in replicas], axis=0)
             replica_memory.append(replicas)
         cuts = np.zeros((max(num - 1, 0), max(k - 1, 1)))
         for j in range(k - 1):
             bandwidth = self._p2p_bandwidth(stages[j], stages[j + 1])
             cuts[:, j] = 2 * (self.options.message_latency_s + self.cut * microbatch_size / bandwidth)
-        return StrategyCosts(times, cuts, memory, replica_memory)
+        return StrategyCosts(times, cuts, memory, replica_memory, (checkpointed,) * k)
 
     def fixed_overhead(self, pp: int, microbatches: int) -> float:
         """Per-micro-batch stage overhead through the pipeline: ``(B − 1 + pp)·o``.
@@ -206,9 +237,10 @@ class CostModel:
         speeds = stage.replica_speeds(self.options)
         return speeds / speeds.sum()
 
-    def _layer_times(self, stage: StageDevices, tp: int, microbatch_size: int) -> np.ndarray:
+    def _layer_times(self, stage: StageDevices, tp: int, microbatch_size: int,
+                     checkpointed: bool = False) -> np.ndarray:
         samples = microbatch_size * len(stage.replicas)
-        per_sample = np.array([self.sample_times(speed, bandwidth) for speed, bandwidth in
+        per_sample = np.array([self.sample_times(speed, bandwidth, checkpointed) for speed, bandwidth in
                                zip(stage.replica_speeds(self.options), stage.replica_bandwidths(self.options),
                                    strict=True)])  # (replicas, layers)
         # each replica takes its share of the samples; the stage waits for the last to finish
@@ -217,27 +249,34 @@ class CostModel:
             return compute
         bandwidth = min(self.cluster.bandwidth(r[0].node, r[0].node) for r in stage.replicas)
         biggest = samples * self._shares(stage).max()
-        allreduce = 4 * 2 * (tp - 1) / tp * self.out * biggest / bandwidth
+        # two all-reduces forward, two backward; a recomputed forward repeats its two
+        count = 4 + 2 * (checkpointed & self.layers.checkpointable)
+        allreduce = count * 2 * (tp - 1) / tp * self.out * biggest / bandwidth
         return compute + np.where(self.has_params, allreduce, 0.0)
 
-    def sample_times(self, speed: float, bandwidth: float) -> np.ndarray:
+    def sample_times(self, speed: float, bandwidth: float, checkpointed: bool = False) -> np.ndarray:
         """Seconds per sample (forward + backward) of each layer on a replica of this FLOP/s and
-        memory bytes/s: the roofline of each node, summed per layer."""
-        key = (speed, bandwidth)
+        memory bytes/s: the roofline of each node, summed per layer (``checkpointed``: with the
+        recomputed forward of every checkpointable layer)."""
+        key = (speed, bandwidth, checkpointed)
         if key not in self._sample_times:
-            per_node = np.maximum(self.node_flops / speed, self.node_traffic / bandwidth)
+            flops, traffic = self.node_flops, self.node_traffic
+            if checkpointed:
+                flops, traffic = flops + self.recompute_flops, traffic + self.recompute_traffic
+            per_node = np.maximum(flops / speed, traffic / bandwidth)
             self._sample_times[key] = np.bincount(self.layers.node_layer, per_node,
                                                   minlength=len(self.layers))
         return self._sample_times[key]
 
     def _replica_memory(self, stage: StageDevices, tp: int, microbatch_size: int,
-                        in_flight: int) -> list[tuple[np.ndarray, float]]:
+                        in_flight: int, checkpointed: bool = False) -> list[tuple[np.ndarray, float]]:
         """Per replica: bytes each layer takes on one of its devices, and that device's budget."""
         samples = microbatch_size * len(stage.replicas)
+        act = self.act_checkpointed if checkpointed else self.act
         out = []
         for replica, share in zip(stage.replicas, self._shares(stage), strict=True):
             budget = min(d.type.memory_bytes for d in replica) * self.options.memory_fraction
-            row = self.state / tp + self.layers.buffer_bytes + self.act * samples * share * in_flight / tp
+            row = self.state / tp + self.layers.buffer_bytes + act * samples * share * in_flight / tp
             out.append((row, budget))
         return out
 

@@ -16,6 +16,13 @@ in a tree without edges, the layer's output).
 
 `LayerSeq.partition` maps a stage per layer back to a `Partition` of every node: a layer's whole
 subtree takes the layer's stage, an opened parent takes its first-called child's stage.
+
+**Checkpointed layers.** The planner may checkpoint a stage's layers (`smpart.planner.search`), so
+each layer also carries its costs when its root module is checkpointed: it keeps only the root's
+inputs (``checkpoint_activation_bytes``) and runs its forward once more (``node_recompute``, per
+node). A layer is ``checkpointable`` when that at least halves what it keeps (an embedding or a
+LayerNorm saves little more than its input: checkpointing it would cost a forward for nothing)
+and the tree knows its inputs (traced trees do; hand-built ones may not).
 """
 
 from __future__ import annotations
@@ -25,10 +32,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from smpart.partition.result import Partition
-from smpart.tracing.tree import INPUT, ModuleNode, ModuleTree
+from smpart.tracing.tree import INPUT, SAVED, ModuleNode, ModuleTree, with_activation_checkpointing
 
 #: A subtree above this share of the model's cost is opened into its children.
 DEFAULT_MAX_SHARE = 1 / 8
+#: A layer is worth checkpointing when it then keeps at most this share of the bytes it saves.
+CHECKPOINT_MAX_KEPT = 0.5
 
 
 @dataclass
@@ -55,12 +64,26 @@ class LayerSeq:
     node_layer: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))
     node_compute: np.ndarray = field(default_factory=lambda: np.zeros(0))
     node_op_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    #: Per layer: whether checkpointing its root keeps fewer bytes than it saves, and the bytes
+    #: the layer keeps when checkpointed (its activation bytes where it is not checkpointable).
+    checkpointable: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    checkpoint_activation_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    #: Per node (as ``node_layer``): whether it runs again when its layer is checkpointed, and
+    #: the compute of that extra forward in the tree's raw unit (forward FLOPs, or seconds).
+    node_recomputed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    node_recompute: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     def __post_init__(self) -> None:
         if not len(self.node_layer):  # no per-node costs given: one pseudo-node per layer, FLOPs only
             self.node_layer = np.arange(len(self.roots))
             self.node_compute = np.asarray(self.compute, dtype=float)
             self.node_op_bytes = np.zeros(len(self.roots))
+        if not len(self.checkpointable):
+            self.checkpointable = np.zeros(len(self.roots), dtype=bool)
+            self.checkpoint_activation_bytes = np.asarray(self.activation_bytes, dtype=float)
+        if not len(self.node_recompute):
+            self.node_recomputed = np.zeros(len(self.node_layer), dtype=bool)
+            self.node_recompute = np.zeros(len(self.node_layer))
 
     def __len__(self) -> int:
         return len(self.roots)
@@ -69,16 +92,22 @@ class LayerSeq:
     def names(self) -> list[str]:
         return [root.name for root in self.roots]
 
+    def checkpoint_names(self, layers: list[int] | np.ndarray) -> list[str]:
+        """Module names to checkpoint so that the checkpointable ones of ``layers`` are."""
+        return [name for layer in layers if self.checkpointable[layer] for name in self.roots[layer].names]
+
     def partition(self, stage_of_layer: list[int], num_stages: int, memory_weight: float = 0.8,
-                  meta: dict | None = None) -> Partition:
-        """The `Partition` of the whole tree that runs layer ``l`` on ``stage_of_layer[l]``."""
+                  meta: dict | None = None, checkpointed: list[str] | None = None) -> Partition:
+        """The `Partition` of the whole tree that runs layer ``l`` on ``stage_of_layer[l]``, with
+        modules ``checkpointed`` (names) costed as checkpointed."""
+        tree = with_activation_checkpointing(self.tree, checkpointed) if checkpointed else self.tree
         node_stage: dict[str, int] = {}
         for root, stage in zip(self.roots, stage_of_layer, strict=True):
             for node in root.walk():
                 node_stage[node.name] = stage
         for parent, layer in self.parent_layer.items():
             node_stage[parent] = stage_of_layer[layer]
-        return Partition(self.tree, node_stage, num_stages, memory_weight, meta=meta)
+        return Partition(tree, node_stage, num_stages, memory_weight, meta=meta)
 
     def pins(self, stage_of_layer: list[int]) -> dict[str, int]:
         """Module name -> stage for every layer root and opened parent (reproduces the partition)."""
@@ -115,12 +144,47 @@ def layer_sequence(tree: ModuleTree, max_share: float = DEFAULT_MAX_SHARE) -> La
     cuts = _cut_bytes(tree, roots, parent_layer)
     owners = _layer_of_nodes(roots, parent_layer)
     nodes = [n for n in tree.nodes() if n.name in owners]
+    checkpointable, kept = _checkpointed_activations(tree, roots, activations)
+    in_checkpointed = {id(n) for layer, root in enumerate(roots) if checkpointable[layer]
+                       for n in root.walk()}
     return LayerSeq(
         tree, roots, compute, params, param_bytes, buffers, activations, cuts, parent_layer,
         node_layer=np.array([owners[n.name] for n in nodes], dtype=int),
         node_compute=np.array([tree.compute_of(n) for n in nodes], dtype=float),
         node_op_bytes=np.array([n.op_bytes for n in nodes], dtype=float),
+        checkpointable=checkpointable,
+        checkpoint_activation_bytes=kept,
+        node_recomputed=np.array([id(n) in in_checkpointed for n in nodes], dtype=bool),
+        node_recompute=np.array([_forward_compute(tree, n) if id(n) in in_checkpointed else 0.0
+                                 for n in nodes], dtype=float),
     )
+
+
+def _checkpointed_activations(tree: ModuleTree, roots: list[ModuleNode],
+                              activations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer: whether checkpointing its root is worth it, and the bytes it keeps if so.
+
+    What an opened parent charged to the layer (``activations`` minus the root's subtree) stays.
+    """
+    checkpointable = np.zeros(len(roots), dtype=bool)
+    kept = np.asarray(activations, dtype=float).copy()
+    if tree.activation_memory != SAVED:
+        return checkpointable, kept
+    for layer, root in enumerate(roots):
+        if root.checkpoint_bytes is None or root.recomputed or not root.called:
+            continue
+        own = sum(tree.activation_memory_of(n) for n in root.walk())
+        if root.checkpoint_bytes <= CHECKPOINT_MAX_KEPT * own and own > 0:
+            checkpointable[layer] = True
+            kept[layer] += root.checkpoint_bytes - own
+    return checkpointable, kept
+
+
+def _forward_compute(tree: ModuleTree, node: ModuleNode) -> float:
+    """One more forward of ``node``: its forward FLOPs, or the forward share of its measured time."""
+    if tree.compute_unit == "time":
+        return (node.time_s or 0.0) * tree.forward_share
+    return node.flops
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -38,6 +38,8 @@ class Plan:
     layers: LayerSeq = field(repr=False)
     memory_weight: float = 0.8
     pipeline: str = "interleaved"
+    #: Per stage: whether it checkpoints its layers; () when no stage does.
+    checkpointed: tuple[bool, ...] = ()
 
     # ---------------------------------------------------------------- derived
     @property
@@ -48,6 +50,18 @@ class Plan:
     def stage_of_layer(self) -> list[int]:
         bounds = [*self.starts, len(self.layers)]
         return [j for j in range(self.pp) for _ in range(bounds[j], bounds[j + 1])]
+
+    @property
+    def checkpointed_stages(self) -> list[int]:
+        """Stages that checkpoint their layers (recompute them in the backward)."""
+        return [j for j, flag in enumerate(self.checkpointed) if flag]
+
+    @property
+    def activation_checkpointing(self) -> list[str]:
+        """Module names the checkpointed stages checkpoint (their layers that keep fewer bytes so)."""
+        stage_of_layer = self.stage_of_layer
+        stages = set(self.checkpointed_stages)
+        return self.layers.checkpoint_names([i for i, j in enumerate(stage_of_layer) if j in stages])
 
     @property
     def memory_use(self) -> float:
@@ -64,7 +78,8 @@ class Plan:
         """
         meta = {"made_by": "smpart.plan", "plan": self.summary(),
                 "device_memory": self.stage_capacity(), "device_names": self.stage_labels()}
-        return self.layers.partition(self.stage_of_layer, self.pp, self.memory_weight, meta=meta)
+        return self.layers.partition(self.stage_of_layer, self.pp, self.memory_weight, meta=meta,
+                                     checkpointed=self.activation_checkpointing)
 
     def stage_capacity(self) -> list[float]:
         """Per stage: the usable bytes of one tensor-parallel group (its fullest device's budget × tp)."""
@@ -86,11 +101,15 @@ class Plan:
             data_parallel_degree=self.dp,
             memory_weight=self.memory_weight,
             pin=self.layers.pins(self.stage_of_layer) if self.pp > 1 else {},
+            activation_checkpointing=self.activation_checkpointing,
         )
 
     def summary(self) -> str:
+        checkpointing = ""
+        if self.checkpointed_stages:
+            checkpointing = f", checkpointing stage(s) {_stage_list(self.checkpointed_stages)}"
         return (f"pp={self.pp} tp={self.tp} dp={self.dp} B={self.microbatches} "
-                f"mbs={self.microbatch_size}: {seconds(self.time_s)}/iter")
+                f"mbs={self.microbatch_size}{checkpointing}: {seconds(self.time_s)}/iter")
 
     def to_dict(self) -> dict[str, Any]:
         bounds = [*self.starts, len(self.layers)]
@@ -108,6 +127,7 @@ class Plan:
                     "time_s": self.stage_times[j],
                     "memory_bytes": self.stage_memory[j][0],
                     "memory_budget_bytes": self.stage_memory[j][1],
+                    "activation_checkpointing": j in self.checkpointed_stages,
                 }
                 for j, stage in enumerate(self.stages)
             ],
@@ -154,6 +174,9 @@ class Plans:
             out.append(f"{(second.time_s / best.time_s - 1) * 100:.1f}% ahead of the runner-up "
                        f"({second.summary()})")
         out.append(f"all stages fit (fullest device at {best.memory_use:.0%} of its usable memory)")
+        if best.checkpointed_stages:
+            out.append(f"stage(s) {_stage_list(best.checkpointed_stages)} fit only with activation "
+                       "checkpointing: their layers keep their inputs and run their forward twice")
         bubble = (best.pp - 1) / (best.microbatches + best.pp - 1)
         out.append(f"{best.microbatches} micro-batches keep the pipeline bubble near {bubble:.0%}")
         return out
@@ -167,12 +190,13 @@ class Plans:
         table = Table(title=f"smpart plans: {self.num_devices} devices, {self.searched} strategies "
                             f"priced in {self.search_s:.2f} s")
         for column in ("#", "pp", "tp", "dp", "B", "mbs", "s/iter", "pipe", "dp sync", "memory",
-                       "layers per stage"):
+                       "ckpt", "layers per stage"):
             table.add_column(column, justify="left" if column == "layers per stage" else "right")
         for rank, plan in enumerate(self.plans[:top], 1):
             table.add_row(str(rank), str(plan.pp), str(plan.tp), str(plan.dp), str(plan.microbatches),
                           str(plan.microbatch_size), seconds(plan.time_s), seconds(plan.pipeline_s),
-                          seconds(plan.dp_sync_s), f"{plan.memory_use:.0%}", _layer_counts(plan),
+                          seconds(plan.dp_sync_s), f"{plan.memory_use:.0%}",
+                          _stage_list(plan.checkpointed_stages) or "-", _layer_counts(plan),
                           style="bold green" if rank == 1 else None)
         console.print(table)
         if self.plans:
@@ -196,6 +220,17 @@ class Plans:
 
     def to_json(self, top: int | None = None) -> str:
         return json.dumps(self.to_dict(top), indent=2)
+
+
+def _stage_list(stages: list[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``"0-2,5"``."""
+    runs: list[list[int]] = []
+    for j in stages:
+        if runs and runs[-1][-1] == j - 1:
+            runs[-1].append(j)
+        else:
+            runs.append([j])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def _layer_counts(plan: Plan, shown: int = 8) -> str:

@@ -14,6 +14,17 @@ strategies keep whole blocks: the cost model counts Megatron's all-reduces per b
 Strategies are priced in order of a cheap lower bound — every layer at its fastest stage, the
 bottleneck at least the average — and a strategy whose bound cannot enter the top ``top`` (nor
 beat the best plan of its own pp=1 / tp=1 / dp=1 baseline) is skipped without solving.
+
+**Activation checkpointing, stage by stage.** A strategy whose plain assignment does not fit in
+memory is tried again with checkpointing, as Galvatron decides it: per stage, without when the
+stage fits, with (paying one more forward of its checkpointed layers) when it does not. The
+stage flags and the boundaries depend on each other, so a handful of flag vectors are solved
+exactly and the fastest kept: every stage checkpointed (the least memory: if that does not fit,
+nothing does); then, repeatedly, the stages that fit without it under the last boundaries found
+stop checkpointing; and, for a few stages, the first ``m`` stages checkpointed (1F1B keeps the
+most micro-batches in flight on the first stages). A plan that fits without checkpointing never
+gets it (the same strategy with it is only slower), so plans of models that fit are unchanged.
+The lower bound used for pruning stays a bound: checkpointing only adds time.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from smpart.errors import PlanError
-from smpart.planner.assign import assign_layers
+from smpart.planner.assign import LayerAssignment, assign_layers
 from smpart.planner.cluster import GIB, Cluster
 from smpart.planner.cost import CostModel, CostOptions, StrategyCosts
 from smpart.planner.layers import DEFAULT_MAX_SHARE, layer_sequence
@@ -81,25 +92,80 @@ def plan(
     for bound, strategy, costs, model in candidates:
         if not ranking.worth_pricing(bound, strategy):
             continue
-        try:
-            assignment = assign_layers(costs.layer_times, strategy.pp, strategy.microbatches,
-                                       cut_costs=costs.cut_costs, layer_memory=costs.layer_memory,
-                                       stage_memory=1.0)
-        except PlanError:
+        assignment = _assign(costs, strategy)
+        if assignment is None and model.can_checkpoint:
+            assignment, costs = _with_checkpointing(strategy, costs, model)
+        if assignment is None:
             infeasible.append((strategy, costs))
             continue
-        sync = max(model.dp_sync_time(list(strategy.stages), assignment.starts, strategy.tp))
+        sync = _sync(model, strategy, assignment)
         pipeline = assignment.objective + model.fixed_overhead(strategy.pp, strategy.microbatches)
         ranking.add(Plan(
             strategy.pp, strategy.tp, strategy.dp, strategy.microbatches, strategy.microbatch_size,
             strategy.stages, assignment.starts, pipeline + sync, pipeline, sync,
             assignment.stage_times, tuple(costs.stage_memory(assignment.starts)), model.layers,
-            memory_weight, options.pipeline,
+            memory_weight, options.pipeline, costs.checkpointed if any(costs.checkpointed) else (),
         ))
     if not ranking.plans:
         raise _nothing_fits(infeasible, cluster)
     return Plans(ranking.ranked(), cluster.num_devices, len(candidates), time.perf_counter() - started,
                  ranking.baselines)
+
+
+def _assign(costs: StrategyCosts, strategy: Strategy) -> LayerAssignment | None:
+    """The best boundaries of ``strategy`` under its memory caps, None when nothing fits."""
+    try:
+        return assign_layers(costs.layer_times, strategy.pp, strategy.microbatches, cut_costs=costs.cut_costs,
+                             layer_memory=costs.layer_memory, stage_memory=1.0)
+    except PlanError:
+        return None
+
+
+def _sync(model: CostModel, strategy: Strategy, assignment: LayerAssignment) -> float:
+    return max(model.dp_sync_time(list(strategy.stages), assignment.starts, strategy.tp))
+
+
+#: Up to this many stages, every "first m stages checkpoint" vector is solved too.
+PREFIX_STAGES = 8
+
+
+def _with_checkpointing(strategy: Strategy, plain: StrategyCosts, model: CostModel,
+                        ) -> tuple[LayerAssignment | None, StrategyCosts]:
+    """The fastest assignment of ``strategy`` with checkpointing on some stages (module docstring),
+    and its costs; (None, every stage checkpointed) when even that does not fit."""
+    everywhere = model.strategy(list(strategy.stages), strategy.tp, strategy.microbatch_size,
+                                strategy.microbatches, checkpointed=True)
+    k = strategy.pp
+    solved: dict[tuple[bool, ...], tuple[LayerAssignment | None, StrategyCosts]] = {}
+
+    def solve(flags: tuple[bool, ...]) -> LayerAssignment | None:
+        if flags not in solved:
+            costs = everywhere if all(flags) else plain.mixed(everywhere, flags)
+            solved[flags] = (_assign(costs, strategy), costs)
+        return solved[flags][0]
+
+    flags = (True,) * k
+    if solve(flags) is None:
+        return None, everywhere
+    while True:  # stages that fit without checkpointing under the last boundaries stop using it
+        relaxed = tuple(f and not fits for f, fits in zip(flags, _fits(plain, solved[flags][0]), strict=True))
+        if relaxed == flags or solve(relaxed) is None:
+            break
+        flags = relaxed
+    if k <= PREFIX_STAGES:
+        for m in range(1, k):
+            solve((True,) * m + (False,) * (k - m))
+    feasible = [(assignment.objective + _sync(model, strategy, assignment), i, assignment, costs)
+                for i, (assignment, costs) in enumerate(solved.values()) if assignment is not None]
+    _, _, assignment, costs = min(feasible, key=lambda item: item[:2])
+    return assignment, costs
+
+
+def _fits(costs: StrategyCosts, assignment: LayerAssignment) -> list[bool]:
+    """Per stage: whether its layers fit under ``costs`` (the test `assign_layers` applies)."""
+    bounds = [*assignment.starts, costs.layer_memory.shape[1]]
+    return [costs.layer_memory[j, bounds[j]:bounds[j + 1]].sum() <= 1.0 + 1e-12
+            for j in range(len(assignment.starts))]
 
 
 def _options(options: CostOptions | None, overrides: dict[str, object]) -> CostOptions:
@@ -182,13 +248,14 @@ def _nothing_fits(infeasible: list[tuple[Strategy, StrategyCosts]], cluster: Clu
         ratios = [used / budget for used, budget in memory]
         stage = int(np.argmax(ratios))
         if worst_best is None or ratios[stage] < worst_best[0]:
-            worst_best = (ratios[stage], strategy, stage, memory[stage])
-    ratio, strategy, stage, (used, budget) = worst_best
+            worst_best = (ratios[stage], strategy, stage, memory[stage], costs)
+    ratio, strategy, stage, (used, budget), costs = worst_best
     where = strategy.stages[stage].describe()
+    checkpointing = " even with activation checkpointing on every stage," if any(costs.checkpointed) else ""
     return PlanError(
         f"no plan fits in memory on {cluster.describe()}. The closest, pp={strategy.pp} tp={strategy.tp} "
-        f"dp={strategy.dp} with {strategy.microbatches} micro-batches of {strategy.microbatch_size}, "
-        f"still overflows stage {stage} ({where}): it needs {used / GIB:.3g} GiB per device, "
+        f"dp={strategy.dp} with {strategy.microbatches} micro-batches of {strategy.microbatch_size},"
+        f"{checkpointing} still overflows stage {stage} ({where}): it needs {used / GIB:.3g} GiB per device, "
         f"{(used - budget) / GIB:.3g} GiB over its usable {budget / GIB:.3g} GiB ({ratio:.0%}). "
         "Add devices, use devices with more memory, or lower bytes_per_param / the batch size."
     )

@@ -177,6 +177,7 @@ def _make_node(
     buffers = {id(b): b for i in members for b in modules[i]._buffers.values() if b is not None}
     called = [stats[i].first_call for i in members if stats[i].first_call is not None]
     classes = list(dict.fromkeys(type(modules[i]).__name__ for i in members))
+    kept = [stats[i].checkpoint_bytes for i in members if stats[i].checkpoint_bytes is not None]
     return ModuleNode(
         name=node_names[0],
         class_name="+".join(classes),
@@ -191,6 +192,7 @@ def _make_node(
         op_bytes=sum(stats[i].op_bytes for i in members),
         saved_bytes=sum(stats[i].saved_bytes for i in members),
         time_s=None,
+        checkpoint_bytes=sum(kept) if kept else None,
     )
 
 

@@ -50,6 +50,9 @@ class CallStats:
     activation_bytes: int = 0
     #: Bytes of the storages autograd saved for backward in its own code (`smpart.tracing.saved_bytes`).
     saved_bytes: int = 0
+    #: Bytes it would keep if checkpointed: the distinct storages it was called with, summed over
+    #: calls, plus model outputs it returned (None: not counted).
+    checkpoint_bytes: int | None = None
     seconds: float = 0.0
 
 
@@ -113,6 +116,8 @@ class CallRecorder:
         self._clock = clock
         self._first_calls = 0
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        #: When set, ``kept_bytes(inputs)`` sizes each call's inputs (`CallStats.checkpoint_bytes`).
+        self.kept_bytes: Callable[[list[torch.Tensor]], int] | None = None
 
     # ------------------------------------------------------------ installing
     def __enter__(self) -> CallRecorder:
@@ -150,6 +155,8 @@ class CallRecorder:
             stats.called_as = self._name_seen_from(i, caller)
         stats.calls += 1
         inputs = tensors_in((args, kwargs))
+        if self.kept_bytes is not None:
+            stats.checkpoint_bytes = (stats.checkpoint_bytes or 0) + self.kept_bytes(inputs)
         for t in inputs:
             source = self._source_of(t, caller)
             if source != i:

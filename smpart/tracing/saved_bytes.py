@@ -24,6 +24,12 @@ region's inputs) is counted: exactly what training with recomputation holds.
 
 The model's final outputs are counted too (by the module that produced them, unless already
 saved): the loss computed from them keeps them, or a tensor their size, until backward.
+
+`SavedBytesCounter.kept_bytes` sizes a module call's inputs by the same rules (each storage once,
+parameters never, example inputs by their own bytes): what checkpointing that module would keep
+instead of its saved tensors. ``torch.utils.checkpoint`` saves its positional inputs for backward
+(this counter sees them) and smpart's `CheckpointedForward` passes keyword inputs positionally, so
+a model traced with checkpointing installed is counted exactly.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ class SavedBytesCounter:
             self._input_bytes[id(storage)] = (held, size + t.numel() * t.element_size())
         for w in weights:
             self._remember(w)
+        self._weights = set(self._seen)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def __enter__(self) -> SavedBytesCounter:
@@ -66,6 +73,7 @@ class SavedBytesCounter:
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
         self._input_bytes.clear()
+        self._weights.clear()
         self._seen.clear()  # release the storages (and, on a real device, their memory)
 
     def count(self, tensor: torch.Tensor, module: int | None) -> None:
@@ -74,6 +82,16 @@ class SavedBytesCounter:
         if key is not None:
             owner = module if module is not None else self._fallback
             self.by_module[owner] += size
+
+    def kept_bytes(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Bytes of the distinct storages of one call's input ``tensors`` (parameters excluded)."""
+        held: dict[int, tuple[Any, int]] = {}  # holds each storage object while its id is in use
+        for t in tensors:
+            holder, size = _storage_and_size(t)
+            key = id(holder)
+            if key not in self._weights and key not in held:
+                held[key] = (holder, self._input_bytes[key][1] if key in self._input_bytes else size)
+        return sum(size for _, size in held.values())
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.count(tensor, self._running())

@@ -17,6 +17,14 @@ is ever written; the graph is dropped with the pass's output.
 measured with the same hooks, and the measured backward of the whole model is shared out in
 proportion (autograd runs backward as one graph, not module by module).
 
+**Activation checkpointing.** Each call's inputs are sized too (``checkpoint_bytes``: what
+checkpointing the module would keep, `with_activation_checkpointing`). A model traced with
+checkpointing already installed (`smpart.runtime.activation_checkpointing`, recognised by the
+`RECOMPUTED_FORWARD` mark on a module's instance ``forward``) is counted as it trains: inside a
+checkpointed module autograd saves nothing the counter sees, the module itself is charged its
+inputs, and its subtree is marked ``recomputed``. Its measured backward includes the
+recomputation, which is taken out again so that ``time_s`` means the same with or without it.
+
 The hook bookkeeping lives in `smpart.tracing.recorder`, the turning of modules into nodes
 (shared parameters, names, order) in `smpart.tracing.grouping`.
 """
@@ -24,6 +32,7 @@ The hook bookkeeping lives in `smpart.tracing.recorder`, the turning of modules 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -39,9 +48,19 @@ from smpart.tracing.grouping import ModuleInventory, build_edges, build_nodes
 from smpart.tracing.op_bytes import OpBytesCounter
 from smpart.tracing.recorder import CallRecorder, nbytes, tensors_in
 from smpart.tracing.saved_bytes import SavedBytesCounter
-from smpart.tracing.tree import DEFAULT_PARAM_MEMORY_FACTOR, OUTPUTS, SAVED, ModuleTree
+from smpart.tracing.tree import (
+    DEFAULT_FORWARD_SHARE,
+    DEFAULT_PARAM_MEMORY_FACTOR,
+    OUTPUTS,
+    SAVED,
+    ModuleTree,
+    mark_recomputed,
+)
 
 META = torch.device("meta")
+#: Attribute set (true) on a module's instance ``forward`` whose activations are recomputed in
+#: the backward instead of kept (`smpart.runtime.activation_checkpointing.CheckpointedForward`).
+RECOMPUTED_FORWARD = "smpart_recomputed"
 
 
 def trace(
@@ -66,6 +85,8 @@ def trace(
     inventory = ModuleInventory.of(model)
     home = _home_device(model)
     target = _as_device(device) if device is not None else home
+    recomputed = _recomputed_modules(inventory)
+    forward_share = DEFAULT_FORWARD_SHARE
     try:
         recorder, ran_on = _record_flops(model, inventory, args, kwargs, target, home)
         seconds = None
@@ -76,18 +97,30 @@ def trace(
                 stacklevel=2,
             )
         elif measure_time:
-            seconds = _measure_seconds(model, inventory, args, kwargs, ran_on, home)
+            seconds, forward_share = _measure_seconds(model, inventory, args, kwargs, ran_on, home,
+                                                      recomputed)
     except _ForwardFailed as failure:
         raise TraceError(failure.describe()) from failure.error
     root, node_name = build_nodes(inventory, recorder.stats, seconds)
-    return ModuleTree(
+    trainable = _trainable(model, args, kwargs)
+    tree = ModuleTree(
         root=root,
         edges=build_edges(recorder.edges, node_name),
         param_memory_factor=param_memory_factor,
         compute_unit="time" if seconds is not None else "flops",
         input_bytes=sum(nbytes(t) for t in tensors_in((args, kwargs))),
-        activation_memory=SAVED if _trainable(model, args, kwargs) else OUTPUTS,
+        activation_memory=SAVED if trainable else OUTPUTS,
+        forward_share=forward_share,
     )
+    for node in tree.nodes():
+        if node.checkpoint_bytes is None and trainable:  # never called: it would keep nothing
+            node.checkpoint_bytes = 0
+    _mark_checkpointed(tree, [node_name[i] for i in sorted(recomputed)])
+    if seconds is not None:  # time_s holds the recomputation once, compute_of adds it again
+        for node in tree.nodes():
+            if node.recomputed and node.time_s:
+                node.time_s /= 1 + forward_share
+    return tree
 
 
 # ==================================================================== the passes
@@ -157,6 +190,7 @@ def _forward(model, inventory, args, kwargs, device, home, *, count_flops=False,
     with _swapped_weights(inventory.modules, param_swap, buffer_swap):
         saved = (SavedBytesCounter(recorder.running_module, _weights_of(model), tensors_in((args, kwargs)))
                  if count_flops and grad else None)
+        recorder.kept_bytes = saved.kept_bytes if saved is not None else None
         with recorder, counter or contextlib.nullcontext(), written or contextlib.nullcontext(), \
                 saved or contextlib.nullcontext(), torch.set_grad_enabled(grad):
             try:
@@ -169,15 +203,25 @@ def _forward(model, inventory, args, kwargs, device, home, *, count_flops=False,
             if saved is not None:  # the loss will keep the outputs it is computed from
                 for t in tensors_in(output):
                     if t.requires_grad:
-                        saved.count(t, recorder.producer_of(t))
+                        producer = recorder.producer_of(t)
+                        saved.count(t, producer)
+                        if producer is not None:  # kept by the loss even if its module is checkpointed
+                            stats = recorder.stats[producer]
+                            stats.checkpoint_bytes = (stats.checkpoint_bytes or 0) + saved.kept_bytes([t])
                 for i, size in saved.by_module.items():
                     recorder.stats[i].saved_bytes += size
             ran = list(model.parameters())  # the substitutes, while they are swapped in
     return recorder, output, ran
 
 
-def _measure_seconds(model, inventory, args, kwargs, device, home) -> list[float]:
-    """Per module: measured forward self seconds, plus its share of the measured backward."""
+def _measure_seconds(model, inventory, args, kwargs, device, home,
+                     recomputed: set[int] = frozenset()) -> tuple[list[float], float]:
+    """Per module: measured forward self seconds, plus its share of the measured backward; and the
+    forward's share of the model's forward + backward time.
+
+    The forwards of ``recomputed`` modules (and what they call) run again inside the measured
+    backward: that time is taken out, so the shares are those of the model without recomputation.
+    """
     clock = _clock_for(device)
     _forward(model, inventory, args, kwargs, device, home)  # warm-up: first calls are slow
     start = clock()
@@ -191,8 +235,42 @@ def _measure_seconds(model, inventory, args, kwargs, device, home) -> list[float
         loss = sum(t.float().sum() for t in outputs)
         torch.autograd.grad(loss, weights, allow_unused=True)
         backward_s = clock() - start
+        inside = _inside_any(inventory, recomputed)
+        backward_s = max(backward_s - sum(recorder.stats[i].seconds for i in inside), 0.0)
     scale = 1.0 + backward_s / forward_s if forward_s > 0 else 1.0
-    return [stats.seconds * scale for stats in recorder.stats]
+    return [stats.seconds * scale for stats in recorder.stats], 1.0 / scale
+
+
+# ==================================================================== activation checkpointing
+def recomputes_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s instance ``forward`` (or a forward it wraps) recomputes in the backward."""
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return False
+    try:
+        inner = inspect.unwrap(forward, stop=lambda f: bool(getattr(f, RECOMPUTED_FORWARD, False)))
+    except ValueError:  # a cycle of __wrapped__
+        return False
+    return bool(getattr(inner, RECOMPUTED_FORWARD, False))
+
+
+def _recomputed_modules(inventory: ModuleInventory) -> set[int]:
+    return {i for i, module in enumerate(inventory.modules) if recomputes_forward(module)}
+
+
+def _inside_any(inventory: ModuleInventory, roots: set[int]) -> set[int]:
+    """Indices of the modules in the subtrees of modules ``roots`` (those included)."""
+    prefixes = [name for i in roots for name in inventory.names[i]]
+    return {i for i, names in enumerate(inventory.names)
+            if any(n == p or p == "" or n.startswith(p + ".") for n in names for p in prefixes)}
+
+
+def _mark_checkpointed(tree: ModuleTree, names: list[str]) -> None:
+    """Mark the nodes of checkpointed modules (outermost first) and their subtrees recomputed."""
+    for name in sorted(names, key=lambda n: (n.count(".") + bool(n), n)):
+        node = tree.node(name)
+        if not node.recomputed:
+            mark_recomputed(node)
 
 
 # ==================================================================== weights and devices

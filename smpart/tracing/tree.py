@@ -12,6 +12,13 @@ is one node whose costs add up over its calls.
 All costs on a node are its *own* ("self") costs, excluding its children: a parent's own
 parameters and the code it runs between child calls are load that a partitioner must not ignore.
 ``total_*`` helpers sum a whole subtree.
+
+**Activation checkpointing** changes two costs, and `with_activation_checkpointing` rewrites a
+tree for it: a checkpointed module keeps only its inputs for the backward (its ``saved_bytes``
+become its ``checkpoint_bytes``; its descendants keep nothing), and every node of its subtree
+runs its forward once more in the backward (``recomputed``: `ModuleTree.compute_of` adds one). A
+model traced with checkpointing already installed gets the same marks from the tracer, and its
+saved bytes are those checkpoint really keeps.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ from smpart.errors import ConfigError
 
 #: Bytes held per parameter byte during training: weights, gradients and Adam's two moments.
 DEFAULT_PARAM_MEMORY_FACTOR = 4.0
+#: Share of a node's training compute that is its forward (backward = 2 × forward): what one more
+#: forward adds when the node is recomputed, unless the tracer measured the model's own share.
+DEFAULT_FORWARD_SHARE = 1 / 3
 
 
 @dataclass
@@ -59,6 +69,15 @@ class ModuleNode:
     saved_bytes: int = 0
     #: Measured forward+backward seconds of the node's own computation, when measured.
     time_s: float | None = None
+    #: What checkpointing the node would keep for the backward instead of ``saved_bytes``: the
+    #: distinct storages its modules were called with (arguments and keyword arguments,
+    #: parameters excluded), summed over calls, plus any model output it returned (the loss keeps
+    #: those anyway). None when unknown (a tree built by hand or an older JSON).
+    checkpoint_bytes: int | None = None
+    #: The node is a checkpointed module: it keeps only its inputs (``saved_bytes`` counts those).
+    checkpointed: bool = False
+    #: The node's forward runs again in the backward (it is, or is inside, a checkpointed module).
+    recomputed: bool = False
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -95,6 +114,9 @@ class ModuleNode:
             "op_bytes": self.op_bytes,
             "saved_bytes": self.saved_bytes,
             "time_s": self.time_s,
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "checkpointed": self.checkpointed,
+            "recomputed": self.recomputed,
         }
         out["children"] = [child.to_dict() for child in self.children]
         return out
@@ -142,6 +164,9 @@ class ModuleTree:
     #: Which bytes `activation_memory_of` counts: ``"saved"`` (``saved_bytes``) or ``"outputs"``
     #: (``activation_bytes``). None: "saved" when any node has saved bytes, else "outputs".
     activation_memory: str | None = None
+    #: Share of training compute that is forward (`DEFAULT_FORWARD_SHARE`, or measured by the
+    #: tracer): the price of recomputing a node, as a fraction of its compute.
+    forward_share: float = DEFAULT_FORWARD_SHARE
 
     def __post_init__(self) -> None:
         self._index: dict[str, ModuleNode] = {}
@@ -179,10 +204,24 @@ class ModuleTree:
 
     # ---------------------------------------------------------------- costs
     def compute_of(self, node: ModuleNode) -> float:
-        """The node's own compute in the tree's unit (measured seconds, else FLOPs)."""
+        """The node's own compute in the tree's unit (measured seconds, else FLOPs), including the
+        forward it runs again in the backward when it is ``recomputed``.
+
+        In FLOPs, a node's compute is its forward FLOPs standing for a whole training step
+        (forward and backward) of ``1 / forward_share`` times as many; one more forward thus adds
+        ``forward_share`` of it, in either unit.
+        """
+        return self.base_compute_of(node) + self.recompute_of(node)
+
+    def base_compute_of(self, node: ModuleNode) -> float:
+        """The node's own compute without any recomputation (forward FLOPs, or measured seconds)."""
         if self.compute_unit == "time":
             return node.time_s or 0.0
         return node.flops
+
+    def recompute_of(self, node: ModuleNode) -> float:
+        """What recomputing the node adds to `compute_of` (0 when it is not recomputed)."""
+        return self.base_compute_of(node) * self.forward_share if node.recomputed else 0.0
 
     def activation_memory_of(self, node: ModuleNode) -> int:
         """Bytes of activations the node's own code keeps alive from forward to backward.
@@ -243,6 +282,7 @@ class ModuleTree:
             "compute_unit": self.compute_unit,
             "input_bytes": self.input_bytes,
             "activation_memory": self.activation_memory,
+            "forward_share": self.forward_share,
         }
 
     @classmethod
@@ -254,6 +294,7 @@ class ModuleTree:
             compute_unit=data.get("compute_unit", "flops"),
             input_bytes=data.get("input_bytes", 0),
             activation_memory=data.get("activation_memory"),
+            forward_share=data.get("forward_share", DEFAULT_FORWARD_SHARE),
         )
 
     def to_json(self) -> str:
@@ -284,3 +325,55 @@ class ModuleTree:
             return node
 
         return cls(root=build(spec), **kwargs)
+
+
+# ---------------------------------------------------------------------------- checkpointing
+def with_activation_checkpointing(tree: ModuleTree, names: list[str] | tuple[str, ...]) -> ModuleTree:
+    """A copy of ``tree`` whose modules ``names`` are checkpointed.
+
+    Each named node (a module name, or any of the names of a merged node) keeps only its inputs:
+    its ``saved_bytes`` become its ``checkpoint_bytes`` and its descendants' become 0; every node of
+    its subtree is marked ``recomputed`` (one more forward, see `ModuleTree.compute_of`). A name
+    inside a subtree already checkpointed changes nothing (the outer module recomputes it).
+
+    Inputs are counted per node, so a tensor handed to several checkpointed modules (a mask given
+    to every block) is counted by each; a trace of the model with checkpointing installed counts
+    it once. Only a tree that counts saved tensors (``activation_memory == "saved"``, any traced
+    trainable model) sees its memory change. Raises `ConfigError` for an unknown name or a node
+    whose input bytes are unknown.
+    """
+    out = ModuleTree.from_dict(tree.to_dict())
+    targets = []
+    for name in names:
+        if name not in out:
+            raise ConfigError(f"activation checkpointing: the tree has no module {name!r}")
+        node = out.node(name)
+        if node.checkpoint_bytes is None:
+            raise ConfigError(f"activation checkpointing: module {name!r} has no checkpoint_bytes, so what "
+                              "it would keep is unknown; trace the model again (smpart.trace) to get them")
+        targets.append(node)
+    depth = {id(n): d for n, d in _depths(out.root)}
+    for node in sorted(targets, key=lambda n: depth[id(n)]):  # outermost first
+        if node.recomputed:
+            continue
+        for inner in node.walk():
+            inner.saved_bytes = 0
+            inner.checkpointed = False
+        node.saved_bytes = node.checkpoint_bytes or 0
+        mark_recomputed(node)
+    return out
+
+
+def mark_recomputed(node: ModuleNode) -> None:
+    """Mark ``node`` checkpointed and every node of its subtree recomputed."""
+    node.checkpointed = True
+    for inner in node.walk():
+        inner.recomputed = True
+
+
+def _depths(root: ModuleNode) -> Iterator[tuple[ModuleNode, int]]:
+    stack = [(root, 0)]
+    while stack:
+        node, depth = stack.pop()
+        yield node, depth
+        stack.extend((child, depth + 1) for child in node.children)

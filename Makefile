@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean browser
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -13,9 +13,24 @@ $(STAMP): pyproject.toml requirements-dev.txt
 demo: $(STAMP)
 	$(PY) -m smpart.cli demo
 
-test: $(STAMP)
+test: browser $(STAMP)
 	$(PY) -m ruff check smpart tests bench examples
 	$(PY) -m pytest -q
+
+# The page tests drive Debian's chromium. Installed here when this machine can (root, apt-get),
+# otherwise `make test` stops at once with the command to run; instant when it is already there.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
+	  || [ "$$SMPART_SKIP_BROWSER" = 1 ] || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium for the page tests (apt-get)"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get update -qq && apt-get install -y -qq chromium >/dev/null && command -v chromium >/dev/null; \
+	  else \
+	    echo "the page tests need Chromium; run:  sudo apt-get update && sudo apt-get install -y chromium" >&2; \
+	    echo "(or skip them: SMPART_SKIP_BROWSER=1 make test)" >&2; \
+	    exit 1; \
+	  fi; }
 
 lint: $(STAMP)
 	$(PY) -m ruff check smpart tests bench examples

@@ -11,8 +11,9 @@ into are independent, and a plain ``nn.Module`` without ``smpart.init`` reads an
 
 Keys:
 
-- ``model.<name>``: every parameter and persistent buffer, by its ``state_dict`` name (both names
-  of a tied weight are there, as ``state_dict`` gives them);
+- ``model.<name>``: every parameter and persistent buffer, by its ``state_dict`` name; a tied
+  weight is written once, under its first name, and its other names are recorded as aliases
+  (a model that does not tie them gets the weight under each name);
 - ``optim.state.<parameter name>.<key>``: the optimizer's tensors (Adam's ``exp_avg``, the step
   count ``step``...), keyed by the parameter's *name*, never by its position in the optimizer,
   which differs from one layout to the next.
@@ -155,7 +156,9 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     if rank == 0:
         _prepare_directory(path)
     _barrier(process_group)
-    tensors = {MODEL + name: t for name, t in layout.local.items()}
+    groups = _tie_groups(layout.local)  # a tied weight is written once, under its first name
+    aliases = {name: names[0] for names in groups for name in names[1:]}
+    tensors = {MODEL + names[0]: layout.local[names[0]] for names in groups}
     records: dict[str, Any] = {}
     if optim is not None:
         for name, p in _parameter_names(layout.module, optim):
@@ -172,7 +175,7 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     side = path / SIDE_DIR
     _write_json(side / f"rank{rank:05d}.json", {
         "rank": rank, "world_size": world, "rng": _rng_state(), "optimizer": records if optim else None,
-        "model_keys": sorted(layout.local),
+        "model_keys": sorted(layout.local), "aliases": aliases,
     })
     extra_kind = _save_extra(side, extra) if rank == 0 else None
     with _single_process_is_meant():
@@ -265,9 +268,10 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     optim = _optimizer(optimizer)
     reader = _SafeReader(path)
     saved = reader.read_metadata().state_dict_metadata
-    _check_model_keys(path, layout, saved)
-    targets = {MODEL + name: t for name, t in layout.local.items()}
     ranks = _read_rank_files(path)
+    aliases = _aliases(ranks)
+    _check_model_keys(path, layout, saved, aliases)
+    targets, copies = _model_targets(layout, aliases)
     restore_state = None
     if optim is not None:
         if not info.get("optimizer"):
@@ -276,6 +280,9 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
         restore_state = _optimizer_targets(path, layout, optim, saved, ranks, targets)
     with _single_process_is_meant():
         dcp.load(targets, storage_reader=reader, process_group=process_group, no_dist=not _distributed())
+    with torch.no_grad():
+        for target, source in copies:
+            target.copy_(source)
     if restore_state is not None:
         restore_state()
     if restore_rng:
@@ -306,10 +313,36 @@ def _check_complete(path: Path) -> dict[str, Any]:
     return info
 
 
-def _check_model_keys(path: Path, layout: _Layout, saved: Mapping[str, Any]) -> None:
+def _aliases(ranks: dict[int, dict[str, Any]]) -> dict[str, str]:
+    """Name of a tied weight -> the name it was written under."""
+    out: dict[str, str] = {}
+    for record in ranks.values():
+        out.update(record.get("aliases") or {})
+    return out
+
+
+def _model_targets(layout: _Layout, aliases: dict[str, str],
+                   ) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The tensors DCP loads into, by key, and (target, source) copies to make after: a weight
+    tied in the checkpoint but not in this model is read once and copied."""
+    targets: dict[str, torch.Tensor] = {}
+    copies = []
+    for names in _tie_groups(layout.local):
+        key = MODEL + aliases.get(names[0], names[0])
+        tensor = layout.local[names[0]]
+        if key in targets:
+            copies.append((tensor, targets[key]))
+        else:
+            targets[key] = tensor
+    return targets, copies
+
+
+def _check_model_keys(path: Path, layout: _Layout, saved: Mapping[str, Any], aliases: dict[str, str]) -> None:
     """Every key this rank needs is there with its shape, and the checkpoint has no key the
     model lacks; all problems in one message."""
     in_checkpoint = {k[len(MODEL):]: v for k, v in saved.items() if k.startswith(MODEL)}
+    in_checkpoint.update({name: in_checkpoint[source] for name, source in aliases.items()
+                          if source in in_checkpoint})
     missing = [name for name in layout.local if name not in in_checkpoint]
     unexpected = sorted(set(in_checkpoint) - set(layout.all_names))
     wrong = []
@@ -577,18 +610,23 @@ class _DCPStore(_Store):
         self.reader = _SafeReader(path)
         self.meta = {k: v for k, v in self.reader.read_metadata().state_dict_metadata.items()
                      if isinstance(v, TensorStorageMetadata)}
+        self.aliases: dict[str, str] = {}
         if (path / MARKER).exists() or all(k.startswith((MODEL, OPTIM)) for k in self.meta):
             self.dcp_prefix = MODEL
+            if (path / SIDE_DIR).is_dir():
+                self.aliases = {MODEL + a: MODEL + s for a, s in _aliases(_read_rank_files(path)).items()
+                                if MODEL + s in self.meta}
 
     def keys(self) -> Iterable[str]:
-        return self.meta.keys()
+        return [*self.meta, *self.aliases]
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.meta[key].size)
+        return tuple(self.meta[self.aliases.get(key, key)].size)
 
     def copy_into(self, key: str, target: torch.Tensor) -> None:
         with _single_process_is_meant():
-            dcp.load({key: target}, storage_reader=_SafeReader(self.path), no_dist=not _distributed())
+            dcp.load({self.aliases.get(key, key): target}, storage_reader=_SafeReader(self.path),
+                     no_dist=not _distributed())
 
     def describe(self) -> str:
         return f"the DCP checkpoint {self.path}"

@@ -73,6 +73,33 @@ def test_model_and_adamw_round_trip_bit_exactly(tmp_path):
     assert marker["optimizer"] and marker["world_size"] == 1 and marker["extra"] is None
 
 
+def untied(example):
+    model = example.model
+    model.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach().clone())
+    return example
+
+
+def test_a_tied_weight_is_written_once_and_loads_into_a_model_that_does_not_tie_it(tmp_path):
+    from smpart.checkpoint import iter_checkpoint_keys
+
+    tied = gpt(seed=2)
+    save_checkpoint(tmp_path / "tied", tied.model)
+    keys = dict(iter_checkpoint_keys(tmp_path / "tied"))
+    assert "model.transformer.wte.weight" in keys and "model.lm_head.weight" not in keys
+    loose = untied(gpt())
+    load_checkpoint(tmp_path / "tied", loose.model)
+    assert_same_model(tied.model, loose.model)
+    assert loose.model.lm_head.weight is not loose.model.transformer.wte.weight
+    loose = untied(gpt())
+    load_weights(loose.model, tmp_path / "tied")
+    assert_same_model(tied.model, loose.model)
+    # and back: an untied model's checkpoint has both; a tied model takes the first
+    save_checkpoint(tmp_path / "loose", loose.model)
+    again = gpt(seed=5)
+    load_checkpoint(tmp_path / "loose", again.model)
+    assert_same_model(tied.model, again.model)
+
+
 def test_sgd_momentum_and_a_parameter_without_state(tmp_path):
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(2, 2))
     model[2].requires_grad_(False)  # in the optimizer, never stepped: no state

@@ -431,3 +431,85 @@ def test_a_pipelined_model_saves_and_loads_like_the_plain_one(tmp_path):
         step(model, args, target, example)  # still trains where it was placed
     finally:
         smpart.shutdown()
+
+
+# ---------------------------------------------------------------------------- tensor-parallel shards
+class ShardedModel:
+    """A tensor-parallel rank's view: DTensor parameters with their global shapes."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.module.state_dict()
+
+
+def _tensor_parallel_worker(rank: int, world: int, store_path: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        out = Path(out)
+        mesh = init_device_mesh("cpu", (world,))
+        full = torch.load(out / "full.pt", weights_only=True)
+
+        def sharded() -> nn.Module:
+            layer = nn.Linear(4, 6)
+            layer.weight = nn.Parameter(distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)]))
+            layer.bias = nn.Parameter(distribute_tensor(torch.zeros(6), mesh, [Replicate()]))
+            return layer
+
+        # plain weights (a safetensors file) into shards: each rank reads its rows only
+        layer = sharded()
+        load_weights(layer, out / "full.safetensors")
+        assert torch.equal(layer.weight.to_local(), full["weight"].chunk(world)[rank])
+        assert torch.equal(layer.bias.full_tensor(), full["bias"])
+        # train a step on the shards, save; the parent reads it into a plain layer
+        optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
+        for p in layer.parameters():
+            p.grad = distribute_tensor(torch.ones(p.shape), mesh, p.placements)
+        optimizer.step()
+        save_checkpoint(out / "sharded", ShardedModel(layer), optimizer)
+        # a plain checkpoint read back into shards, optimizer state included
+        again = sharded()
+        again_optimizer = torch.optim.AdamW(again.parameters(), lr=0.5)
+        load_checkpoint(out / "plain", ShardedModel(again), again_optimizer, restore_rng=False)
+        plain = torch.load(out / "plain_state.pt", weights_only=True)
+        assert torch.equal(again.weight.full_tensor(), plain["weight"])
+        state = again_optimizer.state[again.weight]
+        assert torch.equal(state["exp_avg"].full_tensor(), plain["exp_avg"]) and state["step"].item() == 1
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_shards_save_and_load_with_their_global_shapes(tmp_path):
+    import torch.multiprocessing as mp
+    from safetensors.torch import save_file
+
+    full = nn.Linear(4, 6)
+    torch.save(full.state_dict(), tmp_path / "full.pt")
+    save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(tmp_path / "full.safetensors"))
+    plain = nn.Linear(4, 6)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=0.1)
+    plain(torch.randn(3, 4)).sum().backward()
+    plain_optimizer.step()
+    save_checkpoint(tmp_path / "plain", plain, plain_optimizer)
+    torch.save({"weight": plain.weight.detach(), "exp_avg": plain_optimizer.state[plain.weight]["exp_avg"]},
+               tmp_path / "plain_state.pt")
+
+    mp.start_processes(_tensor_parallel_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+
+    reader = nn.Linear(4, 6)
+    reader_optimizer = torch.optim.AdamW(reader.parameters(), lr=0.5)
+    load_checkpoint(tmp_path / "sharded", reader, reader_optimizer, restore_rng=False)
+    expected = nn.Linear(4, 6)
+    expected.load_state_dict(full.state_dict())
+    expected_optimizer = torch.optim.AdamW(expected.parameters(), lr=0.1)
+    for p in expected.parameters():
+        p.grad = torch.ones_like(p)
+    expected_optimizer.step()
+    assert_same_model(expected, reader)
+    assert_same_optimizer(expected_optimizer, reader_optimizer)

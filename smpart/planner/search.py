@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -94,7 +95,8 @@ def plan(
             continue
         assignment = _assign(costs, strategy)
         if assignment is None and model.can_checkpoint:
-            assignment, costs = _with_checkpointing(strategy, costs, model)
+            worth = ranking.bound_check(strategy, model)
+            assignment, costs = _with_checkpointing(strategy, costs, model, worth)
         if assignment is None:
             infeasible.append((strategy, costs))
             continue
@@ -130,22 +132,28 @@ PREFIX_STAGES = 8
 
 
 def _with_checkpointing(strategy: Strategy, plain: StrategyCosts, model: CostModel,
+                        worth: Callable[[StrategyCosts], bool],
                         ) -> tuple[LayerAssignment | None, StrategyCosts]:
     """The fastest assignment of ``strategy`` with checkpointing on some stages (module docstring),
-    and its costs; (None, every stage checkpointed) when even that does not fit."""
+    and its costs; (None, every stage checkpointed) when even that does not fit or could not rank.
+
+    Every stage checkpointed keeps the least memory (a layer is only checkpointed when that keeps
+    fewer bytes): when it does not fit, nothing does. Other flag vectors are solved only when
+    ``worth`` says their lower bound could still enter the ranking.
+    """
     everywhere = model.strategy(list(strategy.stages), strategy.tp, strategy.microbatch_size,
                                 strategy.microbatches, checkpointed=True)
     k = strategy.pp
     solved: dict[tuple[bool, ...], tuple[LayerAssignment | None, StrategyCosts]] = {}
 
-    def solve(flags: tuple[bool, ...]) -> LayerAssignment | None:
+    def solve(flags: tuple[bool, ...], always: bool = False) -> LayerAssignment | None:
         if flags not in solved:
             costs = everywhere if all(flags) else plain.mixed(everywhere, flags)
-            solved[flags] = (_assign(costs, strategy), costs)
+            solved[flags] = (_assign(costs, strategy) if always or worth(costs) else None, costs)
         return solved[flags][0]
 
     flags = (True,) * k
-    if solve(flags) is None:
+    if solve(flags, always=True) is None:
         return None, everywhere
     while True:  # stages that fit without checkpointing under the last boundaries stop using it
         relaxed = tuple(f and not fits for f, fits in zip(flags, _fits(plain, solved[flags][0]), strict=True))
@@ -218,6 +226,15 @@ class _Ranking:
             return True
         return any(family not in self.baselines or bound < self.baselines[family].time_s
                    for family in self.families(strategy.pp, strategy.tp, strategy.dp))
+
+    def bound_check(self, strategy: Strategy, model: CostModel) -> Callable[[StrategyCosts], bool]:
+        """Whether costs of ``strategy`` could still enter the ranking, by their lower bound."""
+        overhead = model.fixed_overhead(strategy.pp, strategy.microbatches)
+
+        def worth(costs: StrategyCosts) -> bool:
+            return self.worth_pricing(_lower_bound(costs, strategy.microbatches) + overhead, strategy)
+
+        return worth
 
     def add(self, plan: Plan) -> None:
         for family in self.families(plan.pp, plan.tp, plan.dp):

@@ -1,0 +1,1 @@
+"""Ranks and the mesh, process groups, the process transport, faults across ranks."""

@@ -1,0 +1,421 @@
+"""ProcessTransport between real processes: gloo on CPU, spawned with torch.multiprocessing.
+
+Each test spawns a few ranks (tcp:// rendezvous on a free port), runs one scenario function on
+every rank, and gets each rank's findings back through a queue; the assertions are made in the
+parent. Every process is joined (a process still alive at the end is killed and fails the test).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from smpart.distributed import wire
+from smpart.distributed.transport import PeerLost, ProcessTransport, pair_groups
+from smpart.errors import SmpartError
+
+SENDERS_TO_ZERO = 80  # messages each of ranks 1 and 2 sends to rank 0 (who echoes every one)
+SIDEWAYS = range(0, SENDERS_TO_ZERO, 30)  # of those, the ones also sent between ranks 1 and 2
+
+
+@dataclass
+class Packet:
+    src: int
+    seq: int
+    payload: Any
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+class Grumpy:
+    """Pickles fine, refuses to be unpickled: the receiver gets an error, and the next messages."""
+
+    def __init__(self) -> None:
+        self.mood = "grumpy"  # some state, or unpickling would not call __setstate__
+
+    def __setstate__(self, state: dict) -> None:
+        raise ValueError("Grumpy refuses to be unpickled")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Dies(Exception):
+    """Raised by a scenario to end its process with an uncaught exception, as a crash would."""
+
+
+def _bootstrap(scenario, rank: int, world: int, port: int, results, options: dict) -> None:
+    """Runs in each spawned process: join the group, run the scenario, report, leave cleanly."""
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        found = scenario(rank, world, **options)
+        results.put((rank, "ok", found))
+    except _Dies:
+        raise  # uncaught: the process ends with its transport's threads still blocked in gloo
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _spawn(
+    scenario, world: int, *, reporting: set[int] | None = None, stray: set[int] = frozenset(), **options
+) -> tuple[dict[int, Any], dict[int, int | None]]:
+    """Run ``scenario`` on ``world`` ranks; the ``reporting`` ranks (default: all) must report.
+
+    Ranks in ``stray`` (hung on purpose) are killed once the others reported. Returns
+    ({rank: findings}, {rank: exit code}). A rank that reports an error fails the test.
+    """
+    reporting = set(range(world)) if reporting is None else reporting
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        args = (scenario, rank, world, port, results, options)
+        procs.append(ctx.Process(target=_bootstrap, args=args, daemon=True))
+    for proc in procs:
+        proc.start()
+    found: dict[int, Any] = {}
+    deadline = time.monotonic() + 60.0
+    try:
+        while set(found) < reporting:
+            try:
+                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"ranks {sorted(reporting - set(found))} did not report within 60 s")
+            if status == "error":
+                pytest.fail(f"rank {rank} failed:\n{value}")
+            found[rank] = value
+        for rank in stray:
+            procs[rank].kill()
+        for proc in procs:
+            proc.join(max(1.0, deadline - time.monotonic()))
+        hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+        assert not hung, f"ranks {hung} did not exit"
+        return found, {rank: proc.exitcode for rank, proc in enumerate(procs)}
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+def _payload(src: int, seq: int) -> dict:
+    """A nested payload whose dtypes and shapes change with ``seq``, rebuilt identically by a checker."""
+    gen = torch.Generator().manual_seed(1000 * src + seq)
+    rows = 1 + seq % 4
+    shared = torch.randn(rows, 2, generator=gen)
+    return {
+        "f64": [torch.randn(rows, 3, generator=gen, dtype=torch.float64)],
+        "pair": (torch.arange(seq % 5, dtype=torch.int64), torch.rand(rows, generator=gen) > 0.5),
+        "bf16": torch.randn(2, seq % 3, generator=gen).to(torch.bfloat16),
+        "scalar": torch.tensor(float(seq)),
+        "twice": [shared, shared],  # one tensor object, twice: sent once, arrives as one object
+        "plain": {"seq": seq, "text": "x" * (seq * 13)},  # long text: headers past the first frame
+    }
+
+
+def _payload_bytes(payload: dict) -> int:
+    tensors = [*payload["f64"], *payload["pair"], payload["bf16"], payload["scalar"], payload["twice"][0]]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and not b.requires_grad
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _receive(transport: ProcessTransport, rank: int, timeout: float = 30.0) -> Any:
+    message = transport.receive(rank, timeout)
+    assert message is not None, f"rank {rank}: nothing arrived within {timeout} s"
+    return message
+
+
+# -- the wire format, in one process -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seq", [0, 1, 5, 70])  # 70: a header longer than the first frame
+def test_wire_round_trip_without_processes(seq: int) -> None:
+    payload = _payload(1, seq)
+    payload["grad"] = torch.ones(2, requires_grad=True) * 2
+    header, tensors = wire.pack(Packet(1, seq, payload))
+    frame, tail = wire.frame(header)
+    assert frame.numel() == wire.FRAME_BYTES and (tail is not None) == (len(header) > wire.FRAME_BYTES - 8)
+    length = wire.frame_length(frame)
+    assert wire.tail_size(length) == (0 if tail is None else tail.numel())
+    assert wire.header_of(frame, tail, length) == header
+    specs, body = wire.unpack(header)
+    received = []
+    for spec, tensor in zip(specs, tensors, strict=True):
+        buffer = wire.empty_for(spec)
+        buffer.copy_(wire.to_wire(tensor))  # what the wire does
+        received.append(wire.from_wire(buffer, spec))
+    packet = wire.rebuild(body, received)
+    expected = {**_payload(1, seq), "grad": torch.full((2,), 2.0)}
+    assert _same(expected, packet.payload)
+    assert packet.payload["twice"][0] is packet.payload["twice"][1]
+    assert len(tensors) == 7  # the shared one once
+    assert wire.frame_length(wire.frame(None)[0]) == wire.GOODBYE
+
+
+def test_wire_refuses_tensors_without_plain_data() -> None:
+    for tensor in (torch.eye(2).to_sparse(), torch.empty(2, device="meta")):
+        with pytest.raises(SmpartError, match="only dense tensors"):
+            wire.pack({"t": tensor})
+
+
+# -- scenario: exchange -------------------------------------------------------------------------
+
+
+def _exchange(rank: int, world: int) -> dict:
+    before = {t.ident for t in threading.enumerate()}
+    # Headers on the default group, tensors on one gloo group per ordered pair (as NCCL would need).
+    pairs = pair_groups(range(world), "gloo")
+    transport = ProcessTransport(rank, world, dist.group.WORLD, data_groups=pairs)
+    found: dict[str, Any] = {}
+
+    # What cannot be sent fails at send, on the caller's thread, as SmpartError.
+    found["unpicklable"] = []
+    for bad in (Packet(rank, -2, lambda: None), Packet(rank, -3, threading.Lock())):
+        started = time.monotonic()
+        try:
+            transport.send((rank + 1) % world, bad)
+            found["unpicklable"].append(("no error", 0.0))
+        except SmpartError as err:
+            found["unpicklable"].append((str(err), time.monotonic() - started))
+    try:
+        transport.send((rank + 1) % world, Packet(rank, -4, torch.eye(2).to_sparse()))
+        found["sparse"] = "no error"
+    except SmpartError as err:
+        found["sparse"] = str(err)
+    found["misuse"] = []  # rank 3 does not exist
+    for misuse in (lambda: transport.send(3, Packet(rank, -6, None)), lambda: transport.receive(3, 0)):
+        try:
+            misuse()
+            found["misuse"].append("no error")
+        except SmpartError as err:
+            found["misuse"].append(str(err))
+
+    expected_bytes: dict[tuple[int, int], int] = {}
+    if rank == 0:  # echo every message back; check each sender's order on the way
+        next_seq = {1: 0, 2: 0}
+        for _ in range(2 * SENDERS_TO_ZERO):
+            packet = _receive(transport, 0)
+            assert packet.seq == next_seq[packet.src], (packet.src, packet.seq, next_seq)
+            next_seq[packet.src] += 1
+            assert _same(_payload(packet.src, packet.seq), packet.payload)
+            assert packet.payload["twice"][0] is packet.payload["twice"][1]
+            transport.send(packet.src, packet)
+            key = (0, packet.src)
+            expected_bytes[key] = expected_bytes.get(key, 0) + _payload_bytes(packet.payload)
+        found["fifo_from"] = next_seq
+        found["messages_expected"] = 2 * SENDERS_TO_ZERO
+    else:  # ranks 1 and 2: a stream to rank 0, a few to each other, then the echoes back
+        other = 3 - rank
+        transport.send(other, Grumpy())
+        for seq in range(SENDERS_TO_ZERO):
+            payload = _payload(rank, seq)
+            transport.send(0, Packet(rank, seq, payload, note="to zero"))
+            expected_bytes[(rank, 0)] = expected_bytes.get((rank, 0), 0) + _payload_bytes(payload)
+            if seq in SIDEWAYS:
+                transport.send(other, Packet(rank, seq, payload, note="sideways"))
+                expected_bytes[(rank, other)] = expected_bytes.get((rank, other), 0) + _payload_bytes(payload)
+        echoes, sideways, refused = [], [], []
+        while len(echoes) < SENDERS_TO_ZERO or len(sideways) < len(SIDEWAYS) or not refused:
+            try:
+                packet = _receive(transport, rank)
+            except PeerLost:
+                raise
+            except SmpartError as err:
+                refused.append(str(err))
+                continue
+            (echoes if packet.note == "to zero" else sideways).append(packet)
+        found["refused"] = refused
+        assert [p.seq for p in echoes] == list(range(SENDERS_TO_ZERO))
+        assert all(_same(_payload(rank, p.seq), p.payload) for p in echoes)
+        assert [(p.src, p.seq) for p in sideways] == [(other, seq) for seq in SIDEWAYS]
+        assert all(_same(_payload(other, p.seq), p.payload) for p in sideways)
+        found["messages_expected"] = SENDERS_TO_ZERO + len(SIDEWAYS) + 1
+
+    # Own rank: delivered by reference, never pickled (a lambda would not pickle). Nothing else is
+    # on its way to this rank any more, so the next message is this one, and then none.
+    mine = Packet(rank, -1, torch.ones(3), extra={"fn": lambda: None})
+    transport.send(rank, mine)
+    found["self_by_reference"] = transport.receive(rank, 0) is mine
+    found["empty_poll"] = transport.receive(rank, 0) is None
+
+    transport.close()
+    found["bytes_sent"] = dict(transport.bytes_sent)
+    found["bytes_expected"] = expected_bytes
+    found["messages_sent"] = transport.messages_sent
+    found["lost"] = set(transport.lost)
+    found["threads_left"] = [t.name for t in threading.enumerate() if t.ident not in before]
+    try:
+        transport.send((rank + 1) % world, Packet(rank, -5, None))
+        found["send_after_close"] = "no error"
+    except SmpartError as err:
+        found["send_after_close"] = str(err)
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_exchange_between_three_processes() -> None:
+    found, exits = _spawn(_exchange, 3)
+    assert exits == {0: 0, 1: 0, 2: 0}
+    assert found[0]["fifo_from"] == {1: SENDERS_TO_ZERO, 2: SENDERS_TO_ZERO}
+    for rank in (1, 2):
+        [refusal] = found[rank]["refused"]
+        assert f"from rank {3 - rank}" in refusal and "Grumpy refuses" in refusal
+    for rank, seen in found.items():
+        assert seen["self_by_reference"] and seen["empty_poll"]
+        for outcome in seen["unpicklable"]:
+            message, seconds = outcome
+            assert "does not pickle" in message and seconds < 1.0
+        assert "sparse" in seen["sparse"]
+        assert all("rank 3" in message for message in seen["misuse"]), seen["misuse"]
+        assert seen["bytes_sent"] == seen["bytes_expected"], rank
+        assert seen["messages_sent"] == seen["messages_expected"], rank
+        assert seen["lost"] == set()
+        assert seen["threads_left"] == [], rank
+        assert "closed" in seen["send_after_close"]
+
+
+# -- scenario: a peer dies ------------------------------------------------------------------------
+
+
+def _hello(transport: ProcessTransport, rank: int, world: int) -> None:
+    """Everyone sends to everyone and waits for everyone: all transports are up."""
+    for peer in range(world):
+        if peer != rank:
+            transport.send(peer, Packet(rank, 0, torch.zeros(2)))
+    for _ in range(world - 1):
+        _receive(transport, rank)
+
+
+def _wait_until_sent(transport: ProcessTransport, count: int) -> None:
+    """Block until ``count`` messages left this rank (sending is asynchronous)."""
+    deadline = time.monotonic() + 30.0
+    while transport.messages_sent < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert transport.messages_sent >= count
+
+
+def _await_loss(transport: ProcessTransport, rank: int, limit_s: float) -> tuple[float, PeerLost | None]:
+    started = time.monotonic()
+    while time.monotonic() - started < limit_s:
+        try:
+            transport.receive(rank, 0.2)
+        except PeerLost as err:
+            return time.monotonic() - started, err
+    return time.monotonic() - started, None
+
+
+def _victim(rank: int, world: int, *, victim: int, how: str) -> dict:
+    transport = ProcessTransport(rank, world, dist.group.WORLD, heartbeat_s=0.5, lost_after_s=5.0)
+    _hello(transport, rank, world)
+    if rank == victim:
+        _wait_until_sent(transport, world - 1)
+        if how == "exit":
+            os._exit(3)
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise _Dies("an uncaught exception ends this rank")  # how == "raise"
+    seconds, err = _await_loss(transport, rank, 30.0)
+    found: dict[str, Any] = {"seconds": seconds, "error": None if err is None else (err.rank, str(err))}
+    try:
+        transport.receive(rank, 0)
+        found["raises_again"] = False
+    except PeerLost:
+        found["raises_again"] = True
+    try:
+        transport.send(victim, Packet(rank, 1, torch.zeros(1)))
+        found["send_to_lost"] = "no error"
+    except PeerLost as err:
+        found["send_to_lost"] = str(err)
+    started = time.monotonic()
+    transport.close(timeout_s=5.0)
+    found["close_seconds"] = time.monotonic() - started
+    found["threads_left"] = [t.name for t in threading.enumerate() if t.name.startswith("smpart-")]
+    return found
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("world", "victim", "how"), [(2, 1, "exit"), (3, 0, "sigkill"), (2, 1, "raise")])
+def test_a_dead_peer_is_detected_and_the_others_exit(world: int, victim: int, how: str) -> None:
+    # Rank 0 hosts the c10d store: killing it also takes the heartbeats' store away.
+    survivors = set(range(world)) - {victim}
+    found, exits = _spawn(_victim, world, reporting=survivors, victim=victim, how=how)
+    assert exits[victim] == {"exit": 3, "sigkill": -signal.SIGKILL, "raise": 1}[how]
+    for rank in survivors:
+        seen = found[rank]
+        assert seen["error"] is not None, f"rank {rank} never noticed rank {victim} die"
+        lost_rank, message = seen["error"]
+        assert lost_rank == victim and f"rank {victim} was lost" in message
+        assert seen["seconds"] < 30.0
+        assert seen["raises_again"]
+        assert f"rank {victim} was lost" in seen["send_to_lost"]
+        assert seen["close_seconds"] < 15.0
+        assert seen["threads_left"] == []
+        assert exits[rank] == 0
+
+
+# -- scenario: a peer hangs ---------------------------------------------------------------------
+
+
+def _hangs(rank: int, world: int) -> dict:
+    transport = ProcessTransport(rank, world, dist.group.WORLD, heartbeat_s=0.2, lost_after_s=2.0)
+    _hello(transport, rank, world)
+    if rank == 1:
+        _wait_until_sent(transport, world - 1)
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive, sockets open, silent; the parent kills it
+        time.sleep(60)  # not reached: the parent kills it while stopped
+        return {}
+    time.sleep(0.5)
+    transport.send(1, Packet(0, 1, torch.zeros(1 << 16)))  # its tensor send blocks: nobody receives
+    seconds, err = _await_loss(transport, 0, 20.0)
+    found: dict[str, Any] = {"seconds": seconds, "error": None if err is None else (err.rank, str(err))}
+    started = time.monotonic()
+    transport.close(timeout_s=1.0)  # the blocked sender and the receiver from rank 1 must be released
+    found["close_seconds"] = time.monotonic() - started
+    found["threads_left"] = [t.name for t in threading.enumerate() if t.name.startswith("smpart-")]
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_peer_is_detected_by_heartbeat_and_close_releases_the_threads() -> None:
+    found, exits = _spawn(_hangs, 2, reporting={0}, stray={1})
+    seen = found[0]
+    assert seen["error"] is not None
+    lost_rank, message = seen["error"]
+    assert lost_rank == 1 and "heartbeat stopped" in message
+    assert seen["seconds"] < 10.0
+    assert seen["close_seconds"] < 10.0
+    assert seen["threads_left"] == []
+    assert exits[0] == 0

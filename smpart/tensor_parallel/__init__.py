@@ -1,0 +1,84 @@
+"""Tensor parallelism: split a model's layers Megatron-style over a tensor-parallel group.
+
+Three steps, each its own file:
+
+- `plan_tensor_parallel(model, degree, tree=None)` (`plan`) decides, per Linear / Conv1D /
+  Embedding, "column", "row", "vocab", "dim" or "none", pairing each column split with its
+  row partner so nothing is communicated between them; honours `set_tensor_parallelism` and
+  `tensor_parallelism`, and warns about what stays whole.
+- `apply_tensor_parallel(model, plan, group)` (`swap`) replaces those modules in place by
+  `DistributedLinear` / `DistributedEmbedding` (`layers`) holding this rank's shards, and
+  localises the attention heads.
+- `full_state_dict(model)` / `dcp_state_dict(model)` (`layers`) give whole tensors, or tensors
+  ``torch.distributed.checkpoint`` can store and reshard.
+
+The collectives with autograd live in `collectives`.
+"""
+
+from smpart.tensor_parallel.collectives import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from smpart.tensor_parallel.layers import (
+    DistributedEmbedding,
+    DistributedLinear,
+    TensorParallelError,
+    clip_grad_norm_,
+    dcp_state_dict,
+    distributed_modules,
+    from_checkpoint_layout,
+    full_state_dict,
+    full_tensor,
+    grad_norm,
+    load_dcp_state_dict,
+    local_state_dict,
+    to_checkpoint_layout,
+    tp_mesh,
+)
+from smpart.tensor_parallel.plan import (
+    AttentionAdapter,
+    AttentionLayout,
+    Decision,
+    SplitShare,
+    TensorParallelPlan,
+    TensorParallelWarning,
+    plan_tensor_parallel,
+    register_attention_adapter,
+    set_tensor_parallelism,
+    split_totals,
+    splittable_fraction,
+    tensor_parallelism,
+)
+from smpart.tensor_parallel.swap import SwapReport, apply_tensor_parallel
+
+__all__ = [
+    "AttentionAdapter",
+    "AttentionLayout",
+    "Decision",
+    "DistributedEmbedding",
+    "DistributedLinear",
+    "SplitShare",
+    "SwapReport",
+    "TensorParallelError",
+    "TensorParallelPlan",
+    "TensorParallelWarning",
+    "apply_tensor_parallel",
+    "clip_grad_norm_",
+    "copy_to_tp",
+    "dcp_state_dict",
+    "distributed_modules",
+    "from_checkpoint_layout",
+    "full_state_dict",
+    "full_tensor",
+    "gather_from_tp",
+    "grad_norm",
+    "load_dcp_state_dict",
+    "local_state_dict",
+    "plan_tensor_parallel",
+    "reduce_from_tp",
+    "register_attention_adapter",
+    "scatter_to_tp",
+    "set_tensor_parallelism",
+    "split_totals",
+    "splittable_fraction",
+    "tensor_parallelism",
+    "to_checkpoint_layout",
+    "tp_mesh",
+]

@@ -1,0 +1,1131 @@
+"""The tensor-parallel plan: which module to split, and how, so that the split is exact.
+
+A Megatron split is exact when every column-parallel layer feeds its row-parallel partner with
+nothing in between that needs the whole feature dimension: an MLP's up (and gate) projection
+and its down projection, an attention's q/k/v projections and its output projection, with the
+heads in between computed locally. Everything else stays replicated. `plan_tensor_parallel`
+finds those pairs, in this order:
+
+1. **The model's own plan.** Hugging Face models publish one (``config.base_model_tp_plan``,
+   the model's ``_tp_plan``: ``"colwise"``, ``"rowwise"``, ``"colwise_gather_output"``,
+   ``"embedding_rowwise"``); it is followed wherever it names a Linear, Conv1D or Embedding.
+2. **Attention**, through an adapter that knows where the class keeps its projections and its
+   head counts (the zoo's attention, GPT-2, OPT, BERT, Llama, Qwen2, Mixtral, Mistral; add yours
+   with `register_attention_adapter`). q and kv heads must both divide by the degree. An
+   attention whose class has no adapter stays whole, with a warning: splitting its projections
+   without fixing its head count would be silently wrong.
+3. **MLPs** from structure: among a module's Linear children (in call order, children that wrap
+   one Linear included), ``up: d -> h`` then ``down: h -> d`` (or ``gate``, ``up``, ``down``).
+   Where the parent's forward can be read by ``torch.fx``, the path from the column outputs to
+   the row input is checked to be elementwise only (activations, dropout, products); a traced
+   `ModuleTree`, when given, supplies the call order and the data-flow edges checked as well.
+4. **Embeddings** split by vocabulary, and the **LM head** (a Linear onto the vocabulary)
+   column-wise with its output gathered.
+5. **Tied weights**: modules sharing a parameter must split it the same way (a vocabulary-split
+   embedding and its column-split LM head both hold rows of the vocabulary, so they share one
+   distributed parameter); otherwise all of them stay whole, with a warning.
+
+A unit (an attention, an MLP) is split as a whole or not at all. Every module left whole for a
+reason a user may not expect gets a ``warnings.warn`` naming it and the reason
+(`TensorParallelWarning`); the plan keeps every decision with its reason and prints as a table.
+
+SMP's controls: `set_tensor_parallelism(module, enabled)` and the context manager
+`tensor_parallelism(enabled)` mark subtrees; ``False`` keeps them whole, ``True`` also splits a
+standalone Linear there (column-wise, output gathered), and ``only_marked=True`` splits nothing
+unmarked, as SMP did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import operator
+import sys
+import types
+import warnings
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from smpart.tensor_parallel.layers import COLUMN, DIM, ROW, VOCAB, TensorParallelError, _is_conv1d
+from smpart.tracing.tree import INPUT, ModuleTree
+
+NONE = "none"
+SPLIT_STYLES = (COLUMN, ROW, VOCAB, DIM)
+
+
+class TensorParallelWarning(UserWarning):
+    """A module that could have been split stays whole (the message says which and why)."""
+
+
+# ==================================================================== decisions
+@dataclass
+class Decision:
+    """How one Linear / Conv1D / Embedding module is split (``style`` ``"none"``: kept whole)."""
+
+    style: str
+    reason: str
+    #: "published" (the model's own plan), "attention", "mlp", "embedding", "lm_head", "marked", "none".
+    source: str = NONE
+    gather_output: bool = False
+    input_is_parallel: bool = True
+    fused: int = 1
+    #: The unit split together with this module (an attention or MLP module's name), if any.
+    unit: str | None = None
+    #: Own parameter elements, and how many of them are sharded (a row-parallel bias is not).
+    params: int = 0
+    split_params: int = 0
+    #: Every name the module object is registered under (the first is the canonical one).
+    names: tuple[str, ...] = ()
+
+    @property
+    def split(self) -> bool:
+        return self.style != NONE
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Where an attention module keeps its projections, and its head counts.
+
+    ``columns``: ``(path relative to the attention module, fused parts)`` of each q/k/v
+    projection; ``row``: the output projection's path.
+    """
+
+    columns: tuple[tuple[str, int], ...]
+    row: str
+    q_heads: int
+    kv_heads: int
+
+
+@dataclass
+class AttentionSplit:
+    """An attention module whose heads are split: ``q_heads``/``kv_heads`` are global counts."""
+
+    name: str
+    adapter: str
+    q_heads: int
+    kv_heads: int
+    degree: int
+    projections: tuple[str, ...]
+
+
+@dataclass
+class TensorParallelPlan:
+    """Per module decisions for one model and degree; print it for a table."""
+
+    degree: int
+    model_class: str
+    decisions: dict[str, Decision] = field(default_factory=dict)
+    attention: dict[str, AttentionSplit] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def __getitem__(self, name: str) -> Decision:
+        return self.decisions[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.decisions
+
+    def style_of(self, name: str) -> str:
+        return self.decisions[name].style
+
+    def styles(self) -> dict[str, str]:
+        """``{module name: style}`` of the modules that are split."""
+        return {name: d.style for name, d in self.decisions.items() if d.split}
+
+    def split_modules(self) -> list[str]:
+        return [name for name, d in self.decisions.items() if d.split]
+
+    def split_param_fraction(self) -> float:
+        """Share of the planned modules' parameters that get sharded."""
+        total = sum(d.params for d in self.decisions.values())
+        return sum(d.split_params for d in self.decisions.values()) / total if total else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "degree": self.degree,
+            "model_class": self.model_class,
+            "decisions": {name: {"style": d.style, "reason": d.reason, "source": d.source,
+                                 "gather_output": d.gather_output, "input_is_parallel": d.input_is_parallel,
+                                 "fused": d.fused, "unit": d.unit} for name, d in self.decisions.items()},
+            "attention": {name: {"adapter": a.adapter, "q_heads": a.q_heads, "kv_heads": a.kv_heads}
+                          for name, a in self.attention.items()},
+            "warnings": list(self.warnings),
+        }
+
+    def __str__(self) -> str:
+        split = self.split_modules()
+        lines = [f"TensorParallelPlan({self.model_class}, degree {self.degree}): {len(split)} of "
+                 f"{len(self.decisions)} modules split, {self.split_param_fraction():.0%} of their "
+                 "parameters"]
+        width = max((len(n) for n in self.decisions), default=0)
+        for name, d in self.decisions.items():
+            style = d.style + (f" x{d.fused}" if d.fused > 1 else "")
+            style += " +gather" if d.gather_output else ""
+            style += " +scatter" if d.style == ROW and not d.input_is_parallel else ""
+            lines.append(f"  {name:<{width}}  {style:<16} {d.reason}")
+        for name, a in self.attention.items():
+            lines.append(f"  attention {name}: {a.q_heads} q / {a.kv_heads} kv heads -> "
+                         f"{a.q_heads // a.degree} / {a.kv_heads // a.degree} per rank ({a.adapter})")
+        lines.extend(f"  warning: {w}" for w in self.warnings)
+        return "\n".join(lines)
+
+
+# ==================================================================== SMP's controls
+_MARKS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+_CONTEXT: list[bool] = []
+_HOOKS: list[Any] = []
+
+
+def set_tensor_parallelism(module: nn.Module, enabled: bool = True) -> None:
+    """Mark ``module``'s subtree: ``False`` keeps it whole, ``True`` splits it (even a standalone
+    Linear, column-wise with its output gathered). The nearest marked ancestor wins; the mark
+    lives as long as the module (a weak reference)."""
+    if not isinstance(module, nn.Module):
+        raise TensorParallelError(f"set_tensor_parallelism needs an nn.Module, got {type(module).__name__}")
+    _MARKS[module] = bool(enabled)
+
+
+def tensor_parallelism_of(module: nn.Module) -> bool | None:
+    """The mark set on ``module`` itself (None: unmarked, inherits from its parent)."""
+    return _MARKS.get(module)
+
+
+def _mark_registered(_parent: nn.Module, _name: str, value: Any) -> None:
+    if _CONTEXT and isinstance(value, nn.Module):
+        _MARKS[value] = _CONTEXT[-1]
+
+
+def _mark_owner(owner: nn.Module, _name: str, _param: Any) -> None:
+    if _CONTEXT:
+        _MARKS[owner] = _CONTEXT[-1]
+
+
+@contextlib.contextmanager
+def tensor_parallelism(enabled: bool = True) -> Iterator[None]:
+    """Mark every module created (or attached to a model) inside the block, as
+    `set_tensor_parallelism` would. Uses torch's global module and parameter registration hooks
+    while the block runs; nested blocks: the innermost wins."""
+    if not _CONTEXT:
+        from torch.nn.modules import module as module_hooks
+
+        _HOOKS.append(module_hooks.register_module_module_registration_hook(_mark_registered))
+        _HOOKS.append(module_hooks.register_module_parameter_registration_hook(_mark_owner))
+    _CONTEXT.append(bool(enabled))
+    try:
+        yield
+    finally:
+        _CONTEXT.pop()
+        if not _CONTEXT:
+            while _HOOKS:
+                _HOOKS.pop().remove()
+
+
+# ==================================================================== attention adapters
+class AttentionAdapter:
+    """Knows one attention class: where its projections are, its heads, and how to localise it.
+
+    ``layout`` returns an `AttentionLayout`, or a string saying why this instance cannot be
+    split. ``localize(module, degree)`` makes the module compute with ``heads / degree`` local
+    heads once its projections are split, returning ``{attribute: (old, new)}``.
+    """
+
+    name = "attention"
+
+    def matches(self, module: nn.Module) -> bool:
+        raise NotImplementedError
+
+    def layout(self, module: nn.Module) -> AttentionLayout | str:
+        raise NotImplementedError
+
+    def localize(self, module: nn.Module, degree: int) -> dict[str, tuple[Any, Any]]:
+        return {}
+
+
+def _divide_attributes(module: nn.Module, names: tuple[str, ...], degree: int) -> dict[str, tuple[Any, Any]]:
+    changed = {}
+    for attr in names:
+        target, _, leaf = attr.rpartition(".")
+        owner = module.get_submodule(target) if target else module
+        old = getattr(owner, leaf)
+        setattr(owner, leaf, old // degree)
+        changed[attr] = (old, old // degree)
+    return changed
+
+
+def _is_class(module: nn.Module, names: tuple[str, ...], package: str) -> bool:
+    cls = type(module)
+    return cls.__name__ in names and cls.__module__.startswith(package)
+
+
+def _out_features(module: nn.Module) -> int:
+    return module.nf if _is_conv1d(module) else module.out_features
+
+
+def _in_features(module: nn.Module) -> int:
+    return module.nx if _is_conv1d(module) else module.in_features
+
+
+class _ZooSelfAttention(AttentionAdapter):
+    """``examples.models.SelfAttention``: fused ``c_attn``, ``c_proj``, ``n_head``.
+
+    Its forward splits the fused output by the *input* width, which a local shard no longer
+    has, so the localised module gets a forward that splits by thirds instead.
+    """
+
+    name = "zoo SelfAttention"
+
+    def matches(self, module):
+        return type(module).__qualname__ == "SelfAttention" and type(module).__module__ == "examples.models"
+
+    def layout(self, module):
+        return AttentionLayout((("c_attn", 3),), "c_proj", module.n_head, module.n_head)
+
+    def localize(self, module, degree):
+        changed = _divide_attributes(module, ("n_head",), degree)
+        attend = sys.modules[type(module).__module__].attend
+
+        def forward(self, x):
+            q, k, v = self.c_attn(x).chunk(3, dim=-1)
+            return self.c_proj(attend(q, k, v, self.n_head, self.causal))
+
+        module.forward = types.MethodType(forward, module)
+        changed["forward"] = ("split by the input width", "split by thirds")
+        return changed
+
+
+class _ZooCrossAttention(AttentionAdapter):
+    """``examples.models.CrossAttention``: ``q``, fused ``kv``, ``o``, ``n_head``."""
+
+    name = "zoo CrossAttention"
+
+    def matches(self, module):
+        return type(module).__qualname__ == "CrossAttention" and type(module).__module__ == "examples.models"
+
+    def layout(self, module):
+        return AttentionLayout((("q", 1), ("kv", 2)), "o", module.n_head, module.n_head)
+
+    def localize(self, module, degree):
+        changed = _divide_attributes(module, ("n_head",), degree)
+        attend = sys.modules[type(module).__module__].attend
+
+        def forward(self, x, memory):
+            k, v = self.kv(memory).chunk(2, dim=-1)
+            return self.o(attend(self.q(x), k, v, self.n_head, causal=False))
+
+        module.forward = types.MethodType(forward, module)
+        changed["forward"] = ("split by the input width", "split by halves")
+        return changed
+
+
+class _GPT2Attention(AttentionAdapter):
+    """Hugging Face GPT-2: fused Conv1D ``c_attn``; ``split_size``, ``num_heads``, ``embed_dim``."""
+
+    name = "transformers GPT2Attention"
+
+    def matches(self, module):
+        return _is_class(module, ("GPT2Attention",), "transformers")
+
+    def layout(self, module):
+        if module.is_cross_attention:
+            return "cross-attention (q_attn plus a fused k/v c_attn) is not supported"
+        return AttentionLayout((("c_attn", 3),), "c_proj", module.num_heads, module.num_heads)
+
+    def localize(self, module, degree):
+        return _divide_attributes(module, ("num_heads", "embed_dim", "split_size"), degree)
+
+
+class _OPTAttention(AttentionAdapter):
+    """Hugging Face OPT: q/k/v/out_proj; its views use ``num_heads``."""
+
+    name = "transformers OPTAttention"
+
+    def matches(self, module):
+        return _is_class(module, ("OPTAttention",), "transformers")
+
+    def layout(self, module):
+        return AttentionLayout((("q_proj", 1), ("k_proj", 1), ("v_proj", 1)), "out_proj",
+                               module.num_heads, module.num_heads)
+
+    def localize(self, module, degree):
+        return _divide_attributes(module, ("num_heads", "embed_dim"), degree)
+
+
+class _BertAttention(AttentionAdapter):
+    """Hugging Face BERT-like: ``self.query/key/value``, output projection ``output.dense``."""
+
+    name = "transformers BertAttention"
+
+    def matches(self, module):
+        inner = getattr(module, "self", None)
+        output = getattr(module, "output", None)
+        return (type(module).__module__.startswith("transformers") and isinstance(inner, nn.Module)
+                and all(isinstance(getattr(inner, p, None), nn.Linear) for p in ("query", "key", "value"))
+                and hasattr(inner, "num_attention_heads") and hasattr(inner, "all_head_size")
+                and isinstance(getattr(output, "dense", None), nn.Linear))
+
+    def layout(self, module):
+        heads = module.self.num_attention_heads
+        return AttentionLayout((("self.query", 1), ("self.key", 1), ("self.value", 1)), "output.dense",
+                               heads, heads)
+
+    def localize(self, module, degree):
+        return _divide_attributes(module, ("self.num_attention_heads", "self.all_head_size"), degree)
+
+
+class _LlamaAttention(AttentionAdapter):
+    """Hugging Face Llama-like attention (Llama, Qwen2, Mixtral, Mistral): views use ``-1`` and
+    ``head_dim``, and ``num_key_value_groups`` (q heads per kv head) is unchanged by the split,
+    so nothing needs adjusting; the heads are read from the projection sizes."""
+
+    name = "transformers Llama-like attention"
+    classes = ("LlamaAttention", "Qwen2Attention", "MixtralAttention", "MistralAttention")
+
+    def matches(self, module):
+        return _is_class(module, self.classes, "transformers")
+
+    def layout(self, module):
+        head_dim = module.head_dim
+        return AttentionLayout((("q_proj", 1), ("k_proj", 1), ("v_proj", 1)), "o_proj",
+                               module.q_proj.out_features // head_dim, module.k_proj.out_features // head_dim)
+
+
+class _PublishedAttention(AttentionAdapter):
+    """An attention whose projections a Hugging Face published plan splits: the publisher's own
+    tensor parallelism runs it unchanged on shards, so only the head counts are checked."""
+
+    name = "published plan"
+
+    def __init__(self, columns: tuple[str, ...], row: str) -> None:
+        self.columns, self.row = columns, row
+
+    def matches(self, module):
+        return True
+
+    def layout(self, module):
+        config = getattr(module, "config", None)
+        q = getattr(config, "num_attention_heads", None)
+        if not isinstance(q, int):
+            return "its published plan splits it, but no config.num_attention_heads gives its head count"
+        kv = getattr(config, "num_key_value_heads", None) or q
+        return AttentionLayout(tuple((c, 1) for c in self.columns), self.row, q, kv)
+
+
+_ADAPTERS: list[AttentionAdapter] = [_ZooSelfAttention(), _ZooCrossAttention(), _GPT2Attention(),
+                                     _OPTAttention(), _BertAttention(), _LlamaAttention()]
+
+
+def register_attention_adapter(adapter: AttentionAdapter) -> None:
+    """Teach the planner an attention class; adapters registered later are tried first."""
+    _ADAPTERS.insert(0, adapter)
+
+
+def attention_adapter(module: nn.Module) -> AttentionAdapter | None:
+    return next((a for a in _ADAPTERS if a.matches(module)), None)
+
+
+_HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nhead", "num_key_value_heads")
+
+
+def looks_like_attention(module: nn.Module) -> bool:
+    """A class called *Attention*/*Attn*, or one with a head-count attribute."""
+    name = type(module).__name__.lower()
+    return "attention" in name or "attn" in name or any(
+        isinstance(getattr(module, a, None), int) for a in _HEAD_ATTRIBUTES)
+
+
+# ==================================================================== the elementwise check (torch.fx)
+_ELEMENTWISE_FUNCTIONS = {
+    operator.add, operator.mul, operator.sub, operator.truediv, operator.neg, operator.pow,
+    torch.add, torch.mul, torch.sub, torch.div, torch.neg, torch.tanh, torch.sigmoid, torch.relu, torch.exp,
+    torch.erf, torch.sqrt, torch.pow, torch.abs, torch.clamp, torch.square,
+    F.relu, F.gelu, F.silu, F.mish, F.tanh, F.sigmoid, F.dropout, F.leaky_relu, F.elu, F.selu, F.celu,
+    F.softplus, F.hardswish, F.hardsigmoid, F.relu6, F.hardtanh, F.logsigmoid,
+}
+_ELEMENTWISE_METHODS = {
+    "add", "mul", "sub", "div", "neg", "pow", "tanh", "sigmoid", "relu", "exp", "sqrt", "abs", "clamp",
+    "square", "float", "double", "half", "bfloat16", "to", "type_as", "contiguous", "clone",
+    "__add__", "__mul__", "__sub__", "__truediv__", "__radd__", "__rmul__",
+}
+#: Methods whose extra tensor arguments only lend a dtype or device.
+_UNARY_METHODS = {"float", "double", "half", "bfloat16", "to", "type_as", "contiguous", "clone"}
+_ELEMENTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.Hardtanh,
+                        nn.Hardswish, nn.Hardsigmoid, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.Softplus,
+                        nn.Softsign, nn.Tanhshrink, nn.Dropout, nn.Identity)
+
+
+def _elementwise_module(module: nn.Module) -> bool:
+    if any(True for _ in module.parameters()):
+        return False
+    if isinstance(module, _ELEMENTWISE_MODULES):
+        return True
+    return type(module).__module__ == "transformers.activations" and "GLU" not in type(module).__name__
+
+
+class _ChildrenAsLeaves(torch.fx.Tracer):
+    """Traces one module's own forward; every child is a leaf (``call_module``)."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return m is not self.root
+
+
+def elementwise_between(parent: nn.Module, columns: list[str], row: str) -> tuple[bool | None, str]:
+    """Whether ``parent``'s forward feeds the direct children ``columns`` into ``row`` through
+    elementwise operations only, and uses their outputs nowhere else.
+
+    ``(True, "")``: checked; ``(False, why)``: it does not; ``(None, why)``: ``torch.fx`` could not
+    read the forward (Python control flow on inputs, say), so nothing is known.
+    """
+    try:
+        graph = _ChildrenAsLeaves().trace(parent)
+    except Exception as err:  # torch.fx raises many kinds; any of them means "cannot tell"
+        return None, f"torch.fx could not read {type(parent).__name__}.forward ({type(err).__name__})"
+    calls = {n: [x for x in graph.nodes if x.op == "call_module" and x.target == n] for n in [*columns, row]}
+    if any(len(found) != 1 for found in calls.values()):
+        return False, "the projections are not each called once"
+    starts = [calls[c][0] for c in columns]
+    end = calls[row][0]
+    reached, frontier = set(starts), list(starts)
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user is end or user in reached:
+                continue
+            if not _elementwise_node(user, parent):
+                return False, f"{user.format_node()} between them is not elementwise"
+            reached.add(user)
+            frontier.append(user)
+    if not (set(end.all_input_nodes) & reached):
+        return False, f"{row} does not read the output of {', '.join(columns)}"
+    for node in reached - set(starts):
+        others = [a for a in node.all_input_nodes if a not in reached]
+        if others and not (node.op == "call_method" and node.target in _UNARY_METHODS):
+            return False, f"{node.format_node()} combines them with a tensor that is not split"
+    return True, ""
+
+
+def _elementwise_node(node: torch.fx.Node, parent: nn.Module) -> bool:
+    if node.op == "call_function":
+        return node.target in _ELEMENTWISE_FUNCTIONS
+    if node.op == "call_method":
+        return node.target in _ELEMENTWISE_METHODS
+    if node.op == "call_module":
+        return _elementwise_module(parent.get_submodule(node.target))
+    return False
+
+
+# ==================================================================== published plans
+_PUBLISHED = {"colwise": (COLUMN, False), "rowwise": (ROW, True), "colwise_gather_output": (COLUMN, True),
+              "colwise_rep": (COLUMN, True), "embedding_rowwise": (VOCAB, False), "replicate": (NONE, False)}
+
+
+def published_plan(model: nn.Module) -> dict[str, str]:
+    """The Hugging Face plan the model carries, keys relative to ``model`` (``*``: any one name)."""
+    plan: dict[str, str] = {}
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None)
+    if isinstance(base, dict):
+        prefix = getattr(model, "base_model_prefix", "")
+        on_base = prefix and isinstance(getattr(model, prefix, None), nn.Module)
+        plan.update({(f"{prefix}.{k}" if on_base else k): v for k, v in base.items()})
+    for own in (getattr(type(model), "_tp_plan", None), getattr(model, "_tp_plan", None)):
+        if isinstance(own, dict):  # the class's, then the instance's (merged by transformers)
+            plan.update(own)
+    return plan
+
+
+def _pattern_matches(pattern: str, name: str) -> bool:
+    parts, names = pattern.split("."), name.split(".")
+    return len(parts) == len(names) and all(map(fnmatch.fnmatchcase, names, parts))
+
+
+# ==================================================================== the planner
+def _kind(module: nn.Module) -> str | None:
+    """"linear", "embedding" or None, for the modules the swap can replace exactly."""
+    if _is_conv1d(module):
+        return "linear"
+    if isinstance(module, nn.Linear):
+        return "linear" if type(module).forward is nn.Linear.forward else "custom"
+    if isinstance(module, nn.Embedding):
+        return "embedding" if type(module).forward is nn.Embedding.forward else "custom"
+    return None
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters(recurse=False))
+
+
+class _Planner:
+    def __init__(self, model: nn.Module, degree: int, tree: ModuleTree | None, only_marked: bool,
+                 use_published: bool) -> None:
+        self.model, self.degree, self.tree = model, degree, tree
+        self.only_marked, self.use_published = only_marked, use_published
+        self.module: dict[str, nn.Module] = dict(model.named_modules())
+        self.name_of: dict[int, str] = {id(m): n for n, m in self.module.items()}
+        self.aliases: dict[int, list[str]] = {}
+        for name, m in model.named_modules(remove_duplicate=False):
+            self.aliases.setdefault(id(m), []).append(name)
+        self.order = {name: i for i, name in enumerate(self.module)}
+        self.marks = self._resolve_marks()
+        self.plan = TensorParallelPlan(degree, type(model).__name__)
+        self.handled: set[str] = set()
+        self.explained: dict[str, tuple[str, str]] = {}  # name -> (reason, source) of modules left whole
+
+    # ------------------------------------------------------------ helpers
+    def _resolve_marks(self) -> dict[str, bool | None]:
+        marks: dict[str, bool | None] = {}
+        for name, m in self.module.items():
+            parent = name.rpartition(".")[0] if name else None
+            inherited = marks.get(parent) if parent is not None else None
+            own = _MARKS.get(m)
+            marks[name] = own if own is not None else inherited
+        return marks
+
+    def leaves(self) -> Iterator[tuple[str, nn.Module, str]]:
+        for name, m in self.module.items():
+            kind = _kind(m)
+            if kind is not None:
+                yield name, m, kind
+
+    def allowed(self, name: str) -> bool:
+        return not self.refusal(name)
+
+    def refusal(self, name: str) -> str:
+        """Why the user's marks keep ``name`` whole ("" when they do not)."""
+        mark = self.marks.get(name)
+        if mark is False:
+            return "marked off by set_tensor_parallelism"
+        if self.only_marked and mark is None:
+            return "not marked for tensor parallelism (only_marked=True)"
+        return ""
+
+    def warn(self, message: str) -> None:
+        self.plan.warnings.append(message)
+
+    def keep(self, name: str, reason: str, warn: bool = False) -> None:
+        if name not in self.explained and name not in self.plan.decisions:
+            self.explained[name] = (reason, NONE)
+            if warn:
+                self.warn(f"{name} stays whole: {reason}")
+
+    def decide(self, name: str, style: str, reason: str, source: str, *, unit: str | None = None,
+               gather_output: bool = False, input_is_parallel: bool = True, fused: int = 1) -> None:
+        m = self.module[name]
+        params = _numel(m)
+        bias = getattr(m, "bias", None)
+        replicated = bias.numel() if style == ROW and isinstance(bias, torch.Tensor) else 0
+        self.plan.decisions[name] = Decision(style, reason, source, gather_output, input_is_parallel, fused,
+                                             unit, params, params - replicated)
+        self.handled.add(name)
+
+    def call_key(self, name: str) -> tuple[int, int]:
+        """Sort key: the traced call order when known, else registration order."""
+        if self.tree is not None and name in self.tree:
+            order = self.tree.node(name).call_order
+            if order is not None:
+                return 0, order
+        return 1, self.order[name]
+
+    def children(self, name: str) -> list[str]:
+        module = self.module[name]
+        prefix = f"{name}." if name else ""
+        kids = [self.name_of[id(c)] for _, c in module.named_children()
+                if self.name_of[id(c)] == prefix + _child_name(module, c)]
+        return sorted(kids, key=self.call_key)
+
+    def divides(self, size: int, parts: int = 1) -> bool:
+        return size % (parts * self.degree) == 0
+
+    # ------------------------------------------------------------ 1. the published plan
+    def published(self) -> None:
+        entries = published_plan(self.model) if self.use_published else {}
+        if not entries:
+            return
+        units: dict[str, dict[str, list[str]]] = {}
+        for pattern, hf_style in entries.items():
+            targets = [n for n in self.module if n and _pattern_matches(pattern, n)]
+            if not targets:
+                params = [n for n, _ in self.model.named_parameters() if _pattern_matches(pattern, n)]
+                if params and hf_style not in ("replicate",):
+                    self.warn(f"{pattern} stays whole: the model's plan asks {hf_style!r} for a parameter; "
+                              "smpart splits Linear, Conv1D and Embedding modules")
+                continue
+            for name in targets:
+                self._published_entry(name, pattern, hf_style, units)
+        for parent, roles in units.items():
+            self._published_unit(parent, roles)
+
+    def _published_entry(self, name: str, pattern: str, hf_style: str, units: dict) -> None:
+        kind = _kind(self.module[name])
+        if hf_style not in _PUBLISHED or kind not in ("linear", "embedding"):
+            what = type(self.module[name]).__name__
+            self.keep(name, f"the model's plan asks {hf_style!r} ({pattern}) for a {what}; smpart splits "
+                            "Linear, Conv1D and Embedding modules with colwise/rowwise/embedding styles",
+                      warn=True)
+            self.handled.update(n for n in self.module if n == name or n.startswith(name + "."))
+            return
+        style, flag = _PUBLISHED[hf_style]
+        if kind == "embedding":
+            style = {COLUMN: DIM, ROW: VOCAB}.get(style, style)
+        if not self.allowed(name):
+            self.keep(name, self.refusal(name))
+            self.handled.add(name)
+            return
+        if style in (VOCAB, DIM) or (style == COLUMN and flag):
+            self._single(name, style, "the model's plan: " + hf_style, "published")
+        elif style == NONE:
+            self.keep(name, "the model's plan replicates it")
+            self.handled.add(name)
+        else:
+            units.setdefault(name.rpartition(".")[0], {COLUMN: [], ROW: []})[style].append(name)
+
+    def _published_unit(self, parent: str, roles: dict[str, list[str]]) -> None:
+        columns, rows = roles[COLUMN], roles[ROW]
+        members = columns + rows
+        module = self.module[parent]
+        if len(rows) != 1 or not columns:
+            for n in members:
+                self.keep(n, f"the model's plan splits {', '.join(members)} under {parent} without exactly "
+                             "one rowwise partner", warn=True)
+            self.handled.update(members)
+            return
+        if looks_like_attention(module):
+            rel = lambda n: n[len(parent) + 1:]
+            adapter = attention_adapter(module) or _PublishedAttention(tuple(rel(c) for c in columns),
+                                                                      rel(rows[0]))
+            self._attention(parent, module, adapter, source="published")
+            self.handled.update(members)
+            return
+        self._unit(parent, columns, rows[0], "the model's plan: colwise/rowwise", "published")
+
+    # ------------------------------------------------------------ 2./3. structure
+    def structure(self, name: str = "") -> None:
+        module = self.module[name]
+        if name not in self.handled:
+            adapter = attention_adapter(module)
+            if adapter is not None:
+                self._attention(name, module, adapter, source="attention")
+                return
+        if looks_like_attention(module) and name not in self.handled:
+            for child in self.children(name):
+                if _kind(self.module[child]) == "linear" and child not in self.handled:
+                    refused = self.refusal(child)
+                    unknown = (f"it projects inside {name} ({type(module).__name__}), an attention smpart "
+                               "has no adapter for (register_attention_adapter teaches it one), so its heads "
+                               "cannot be localised")
+                    self.keep(child, refused or unknown, warn=not refused)
+                    self.handled.add(child)
+        self._mlps(name)
+        for child in self.children(name):
+            self.structure(child)
+
+    def _attention(self, name: str, module: nn.Module, adapter: AttentionAdapter, source: str) -> None:
+        layout = adapter.layout(module)
+        projections: list[str] = []
+        if isinstance(layout, AttentionLayout):
+            projections = [f"{name}.{path}" if name else path for path, _ in layout.columns]
+            projections.append(f"{name}.{layout.row}" if name else layout.row)
+        self.handled.update(projections)
+        self.handled.add(name)
+        if isinstance(layout, str):
+            self._keep_attention(name, module, layout)
+            return
+        refused = next((self.refusal(p) for p in projections if self.refusal(p)), "")
+        if refused:
+            for p in projections:
+                self.keep(p, f"its attention {name} is kept whole: a projection is {refused}")
+            return
+        why = self._attention_problem(name, layout, projections)
+        if why:
+            for p in projections:
+                self.keep(p, f"its attention {name} cannot be split exactly: {why}")
+            self.warn(f"{name} ({type(module).__name__}) stays whole: {why}")
+            return
+        local = f"{layout.q_heads // self.degree} of {layout.q_heads} q heads"
+        if layout.kv_heads != layout.q_heads:
+            local += f", {layout.kv_heads // self.degree} of {layout.kv_heads} kv heads"
+        for (_, fused), proj in zip(layout.columns, projections, strict=False):
+            self.decide(proj, COLUMN, f"attention {name}: {local} per rank", source, unit=name, fused=fused)
+        self.decide(projections[-1], ROW, f"attention {name}: output projection, partial sums all-reduced",
+                    source, unit=name)
+        self.plan.attention[name] = AttentionSplit(name, adapter.name, layout.q_heads, layout.kv_heads,
+                                                   self.degree, tuple(projections))
+
+    def _keep_attention(self, name: str, module: nn.Module, why: str) -> None:
+        for n, m in self.module.items():
+            if n.startswith(f"{name}.") and _kind(m) == "linear":
+                self.keep(n, f"its attention {name} cannot be split: {why}")
+                self.handled.add(n)
+        self.warn(f"{name} ({type(module).__name__}) stays whole: {why}")
+
+    def _attention_problem(self, name: str, layout: AttentionLayout, projections: list[str]) -> str:
+        if any(p not in self.module or _kind(self.module[p]) != "linear" for p in projections):
+            return "its projections are not plain Linear/Conv1D modules where its adapter expects them"
+        if layout.q_heads % self.degree or layout.kv_heads % self.degree:
+            heads = (_count(layout.q_heads, "head") if layout.q_heads == layout.kv_heads
+                     else f"{layout.q_heads} q heads and {layout.kv_heads} kv heads")
+            return f"{heads} cannot be shared out evenly over tensor-parallel degree {self.degree}"
+        for (_, fused), p in zip(layout.columns, projections, strict=False):
+            if not self.divides(_out_features(self.module[p]), fused):
+                return (f"{p} has {_out_features(self.module[p])} output features, not divisible into "
+                        f"{fused} x {self.degree}")
+        return ""
+
+    def _mlps(self, name: str) -> None:
+        run: list[tuple[str, str]] = []  # (linear name, the direct child that holds it)
+        runs = [run]
+        for child in self.children(name):
+            m = self.module[child]
+            kind = _kind(m)
+            if kind == "linear":
+                if child not in self.handled:
+                    run.append((child, child))
+                continue
+            if kind is not None or not any(True for _ in m.parameters()):
+                continue  # embeddings and parameterless modules do not break a run
+            inner = list(dict.fromkeys(self.name_of[id(x)] for x in m.modules() if _kind(x) == "linear"))
+            if (len(inner) == 1 and inner[0] not in self.handled and not looks_like_attention(m)
+                    and not any(looks_like_attention(x) for x in m.modules())):
+                run.append((inner[0], child))
+            elif inner:
+                run = []
+                runs.append(run)
+        for members in runs:
+            self._pair_run(name, members)
+
+    def _pair_run(self, parent: str, run: list[tuple[str, str]]) -> None:
+        i = 0
+        while i < len(run):
+            for width in (3, 2):
+                group = run[i:i + width]
+                if len(group) == width and self._mlp_shape(group) and self._mlp(parent, group):
+                    i += width
+                    break
+            else:
+                i += 1
+
+    def _mlp_shape(self, group: list[tuple[str, str]]) -> bool:
+        mods = [self.module[n] for n, _ in group]
+        *columns, down = mods
+        d, h = _in_features(columns[0]), _out_features(columns[0])
+        return (all(_in_features(c) == d and _out_features(c) == h for c in columns)
+                and _in_features(down) == h and _out_features(down) == d)
+
+    def _mlp(self, parent: str, group: list[tuple[str, str]]) -> bool:
+        """Split ``group`` (ups..., down) as one MLP if every check passes; False to try others."""
+        names = [n for n, _ in group]
+        *columns, row = names
+        direct = all(holder == n for n, holder in group)
+        ok: bool | None = None
+        if direct:
+            rel = lambda n: n[len(parent) + 1:] if parent else n
+            ok, why = elementwise_between(self.module[parent], [rel(c) for c in columns], rel(row))
+            if ok is False:
+                for n in names:
+                    self.keep(n, f"not split as an MLP: in {parent or 'the model'}, {why}", warn=n == row)
+                return False
+            checked = "; path checked elementwise by torch.fx" if ok else f"; structure only ({why})"
+        else:
+            checked = "; structure only (the projections sit in wrapper modules)"
+        flow = self._flow_problem(parent, group)
+        if not ok and not flow:
+            flow = self._width_problem(parent, group)
+        if flow:
+            for n in names:
+                self.keep(n, flow, warn=n == row)
+            return False
+        self._unit(parent, columns, row, f"MLP {' -> '.join(n.rpartition('.')[2] for n in names)}{checked}",
+                   "mlp")
+        return True
+
+    def _flow_problem(self, parent: str, group: list[tuple[str, str]]) -> str:
+        """With a traced tree: the members run equally often, and the row projection reads
+        nothing from another module that has weights."""
+        names = [n for n, _ in group]
+        if self.tree is None or any(n not in self.tree for n in names):
+            return ""
+        nodes = [self.tree.node(n) for n in names]
+        if len({n.call_count for n in nodes}) != 1:
+            return "not split as an MLP: the traced forward calls these projections unequally often"
+        allowed = {self.tree.node(n).name for pair in group for n in pair if n in self.tree}
+        if parent in self.tree:
+            allowed.add(self.tree.node(parent).name)
+        down = nodes[-1].name
+        for edge in self.tree.edges:
+            if edge.dst == down and edge.src != INPUT and edge.src not in allowed \
+                    and _tree_params(self.tree, edge.src):
+                return (f"not split as an MLP: the traced forward feeds {edge.src} (which has weights) "
+                        f"into {down}")
+        return ""
+
+    def _width_problem(self, parent: str, group: list[tuple[str, str]]) -> str:
+        """Without a checked path: no other module with weights of the hidden width may sit where
+        it could run on the split activations (a norm over the hidden features, say)."""
+        hidden = _in_features(self.module[group[-1][0]])
+        members = {n for n, _ in group}
+        holders = {h for _, h in group}
+        places = [(h, n) for n, h in group if h != n]  # inside a wrapper, next to the projection
+        places += [(parent, c) for c in self.children(parent) if c not in holders]
+        for holder, _ in places:
+            scope = self.module[holder]
+            for sub_name, sub in scope.named_modules(prefix=holder):
+                if sub_name in members or self.name_of.get(id(sub)) in members or sub is self.module[parent]:
+                    continue
+                for p in sub.parameters(recurse=False):
+                    if hidden in p.shape:
+                        return (f"not split as an MLP: {self.name_of.get(id(sub), sub_name)} has weights of "
+                                f"the hidden width {hidden} and might run between the projections")
+        return ""
+
+    def _unit(self, parent: str, columns: list[str], row: str, reason: str, source: str) -> None:
+        members = [*columns, row]
+        self.handled.update(members)
+        problem = next((f"a projection is {self.refusal(n)}" for n in members if self.refusal(n)), "")
+        if not problem:
+            for c in columns:
+                if not self.divides(_out_features(self.module[c])):
+                    problem = (f"{c} has {_out_features(self.module[c])} output features, not divisible by "
+                               f"{self.degree}")
+            if not self.divides(_in_features(self.module[row])):
+                problem = (f"{row} has {_in_features(self.module[row])} input features, not divisible by "
+                           f"{self.degree}")
+        if problem:
+            for n in members:
+                self.keep(n, f"the pair {', '.join(members)} cannot be split exactly: {problem}",
+                          warn=n == row and "a projection is" not in problem)
+            return
+        unit = parent or "<model>"
+        for c in columns:
+            self.decide(c, COLUMN, reason, source, unit=unit)
+        self.decide(row, ROW, reason + " (partial sums all-reduced)", source, unit=unit)
+
+    def _single(self, name: str, style: str, reason: str, source: str) -> None:
+        m = self.module[name]
+        self.handled.add(name)
+        if style == VOCAB and not self.divides(m.num_embeddings) and self.divides(m.embedding_dim):
+            style = DIM
+            reason += f" (dimension split: the vocabulary of {m.num_embeddings} does not divide)"
+        size = {VOCAB: lambda: m.num_embeddings, DIM: lambda: m.embedding_dim,
+                COLUMN: lambda: _out_features(m)}[style]()
+        if isinstance(m, nn.Embedding) and (m.max_norm is not None or m.sparse):
+            self.keep(name, "max_norm and sparse embeddings cannot be split", warn=True)
+            return
+        if not self.divides(size):
+            self.keep(name, f"{size} {'rows' if style != DIM else 'columns'} do not divide by the "
+                            f"tensor-parallel degree {self.degree}", warn=True)
+            return
+        self.decide(name, style, reason, source, unit=name, gather_output=style == COLUMN)
+
+    # ------------------------------------------------------------ 4. embeddings and the LM head
+    def embeddings_and_heads(self) -> None:
+        vocab = max((m.num_embeddings for _, m, k in self.leaves() if k == "embedding"), default=None)
+        for name, m, kind in self.leaves():
+            if name in self.handled or name in self.explained:
+                continue
+            if not self.allowed(name):
+                self.keep(name, self.refusal(name))
+                continue
+            if kind == "custom":
+                base = "nn.Embedding" if isinstance(m, nn.Embedding) else "nn.Linear"
+                self.keep(name, f"{type(m).__name__} subclasses {base} with its own forward, which the "
+                                "distributed layers cannot reproduce", warn=True)
+            elif kind == "embedding":
+                self._single(name, VOCAB, "embedding: vocabulary split, masked lookups all-reduced",
+                             "embedding")
+            elif vocab is not None and _out_features(m) == vocab:
+                self._single(name, COLUMN, "LM head: vocabulary columns, logits gathered", "lm_head")
+            elif self.marks.get(name) is True:
+                self._single(name, COLUMN, "marked by set_tensor_parallelism: column split, output gathered",
+                             "marked")
+            else:
+                self.keep(name, "no row-parallel partner: splitting it alone would add collectives for one "
+                                "matmul")
+
+    # ------------------------------------------------------------ 5. tied weights
+    def ties(self) -> None:
+        owners: dict[int, list[tuple[str, str]]] = {}
+        for name, m in self.module.items():
+            for pname, p in m.named_parameters(recurse=False):
+                owners.setdefault(id(p), []).append((name, pname))
+        changed = True
+        while changed:
+            changed = False
+            for group in owners.values():
+                if len({n for n, _ in group}) < 2:
+                    continue
+                split = [n for n, _ in group if n in self.plan.decisions and self.plan.decisions[n].split]
+                if not split:
+                    continue
+                layouts = {self._placement(n, p) for n, p in group}
+                if None in layouts or len(layouts) > 1:
+                    names = ", ".join(f"{n}.{p}" if n else p for n, p in group)
+                    why = (f"a parameter is shared ({names}) and the modules sharing it cannot split it the "
+                           "same way" if None not in layouts else
+                           f"a parameter is shared ({names}) with a module that keeps it whole")
+                    for n in split:
+                        self._undo_unit(n, why)
+                    changed = True
+
+    def _placement(self, name: str, pname: str) -> tuple | None:
+        d = self.plan.decisions.get(name)
+        if d is None or not d.split:
+            return None
+        m = self.module[name]
+        if d.style in (VOCAB, DIM):
+            return ("shard", 0 if d.style == VOCAB else 1, 1)
+        conv = _is_conv1d(m)
+        if pname == "bias":
+            return ("shard", 0, d.fused) if d.style == COLUMN else ("replicate",)
+        out_dim, in_dim = (1, 0) if conv else (0, 1)
+        return ("shard", out_dim if d.style == COLUMN else in_dim, d.fused)
+
+    def _undo_unit(self, name: str, why: str) -> None:
+        unit = self.plan.decisions[name].unit
+        members = [n for n, d in self.plan.decisions.items()
+                   if d.split and (n == name or (unit and d.unit == unit))]
+        for n in members:
+            d = self.plan.decisions[n]
+            d.style, d.source, d.gather_output, d.fused, d.split_params = NONE, NONE, False, 1, 0
+            d.reason = why if n == name else f"split together with {name}, which stays whole: {why}"
+        self.plan.attention.pop(unit or "", None)
+        others = [m for m in members if m != name]
+        self.warn(f"{name} stays whole: {why}" + (f" (and with it {', '.join(others)})" if others else ""))
+
+    # ------------------------------------------------------------ the result
+    def finish(self) -> TensorParallelPlan:
+        for name, m, _ in self.leaves():
+            if name not in self.plan.decisions:
+                reason, source = self.explained.get(name, ("not reached by any rule", NONE))
+                self.plan.decisions[name] = Decision(NONE, reason, source, params=_numel(m))
+            self.plan.decisions[name].names = tuple(self.aliases.get(id(m), [name]))
+        order = {n: i for i, n in enumerate(self.module)}
+        self.plan.decisions = dict(sorted(self.plan.decisions.items(), key=lambda kv: order[kv[0]]))
+        return self.plan
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def _child_name(parent: nn.Module, child: nn.Module) -> str:
+    return next(n for n, c in parent.named_children() if c is child)
+
+
+def _tree_params(tree: ModuleTree, node_name: str) -> int:
+    return tree.node(node_name).param_count if node_name in tree else 0
+
+
+def plan_tensor_parallel(
+    model: nn.Module,
+    degree: int,
+    tree: ModuleTree | None = None,
+    *,
+    only_marked: bool = False,
+    use_published: bool = True,
+    require_split: bool = True,
+    warn: bool = True,
+) -> TensorParallelPlan:
+    """Decide, for every Linear / Conv1D / Embedding of ``model``, how ``degree`` ranks split it.
+
+    ``tree``: the model's traced `ModuleTree` (``smpart.trace``), for call order and data flow.
+    ``only_marked``: split only subtrees marked by `set_tensor_parallelism` / `tensor_parallelism`.
+    ``use_published``: follow the model's own Hugging Face plan where it has one.
+    ``require_split``: raise `TensorParallelError` when ``degree > 1`` splits nothing at all.
+    ``warn``: emit the plan's warnings (`TensorParallelWarning`); they are in ``plan.warnings`` anyway.
+
+    Needs only shapes, so a model on the meta device plans as well as a real one.
+    """
+    if not isinstance(model, nn.Module):
+        raise TensorParallelError(f"plan_tensor_parallel needs an nn.Module, got {type(model).__name__}")
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+        raise TensorParallelError(f"the tensor-parallel degree must be a positive int, got {degree!r}")
+    planner = _Planner(model, degree, tree, only_marked, use_published)
+    if degree == 1:
+        for name, _, _ in planner.leaves():
+            planner.keep(name, "tensor-parallel degree 1")
+        return planner.finish()
+    planner.published()
+    planner.structure("")
+    planner.embeddings_and_heads()
+    planner.ties()
+    plan = planner.finish()
+    if warn:
+        for message in plan.warnings:
+            warnings.warn(message, TensorParallelWarning, stacklevel=2)
+    if require_split and not plan.split_modules():
+        raise TensorParallelError(_nothing_split(plan, model))
+    return plan
+
+
+def _nothing_split(plan: TensorParallelPlan, model: nn.Module) -> str:
+    sizes = [max(getattr(m, "out_features", 0), getattr(m, "num_embeddings", 0), getattr(m, "nf", 0))
+             for m in model.modules() if _kind(m)]
+    largest = max(sizes, default=0)
+    reasons = sorted({d.reason for d in plan.decisions.values()})[:4]
+    if largest and largest < plan.degree:
+        hint = f"the largest splittable dimension is {largest}, smaller than the degree"
+    else:
+        hint = "; ".join(reasons) or "it has no Linear, Conv1D or Embedding"
+    return (f"tensor-parallel degree {plan.degree} splits none of {plan.model_class}'s modules ({hint}). "
+            "Use tensor_parallel_degree=1 for this model, a degree that divides its heads and hidden sizes, "
+            "or mark the modules to split with set_tensor_parallelism")
+
+
+# ==================================================================== pricing for the planner
+@dataclass(frozen=True)
+class SplitShare:
+    """Of a node's own parameters and FLOPs, the share a tensor-parallel split divides by the degree."""
+
+    params: float
+    flops: float
+
+
+def splittable_fraction(plan: TensorParallelPlan, tree: ModuleTree | None = None) -> dict[str, SplitShare]:
+    """Per node of ``tree`` (or per planned module without one): how much of it tp splits.
+
+    A split Linear/Conv1D divides its weights and its matmul FLOPs; a split embedding its
+    weights; an attention whose heads are split divides its own FLOPs (scores, softmax, the
+    weighted sum). Norms, residual adds and replicated biases stay whole. A planner prices a
+    node under tp as ``own * (1 - share) + own * share / degree``, plus the collectives.
+    """
+    per_module: dict[str, SplitShare] = {}
+    for name, d in plan.decisions.items():
+        params = d.split_params / d.params if d.params else 0.0
+        flops = 1.0 if d.split and d.style in (COLUMN, ROW) else 0.0
+        for alias in d.names or (name,):
+            per_module[alias] = SplitShare(params, flops)
+    for name in plan.attention:
+        per_module.setdefault(name, SplitShare(0.0, 1.0))
+        per_module[name] = SplitShare(per_module[name].params, 1.0)
+    if tree is None:
+        return per_module
+    out: dict[str, SplitShare] = {}
+    for node in tree.nodes():
+        shares = [per_module[n] for n in node.names if n in per_module]
+        if not shares:
+            continue
+        out[node.name] = SplitShare(sum(s.params for s in shares) / len(shares),
+                                    sum(s.flops for s in shares) / len(shares))
+    return out
+
+
+def split_totals(plan: TensorParallelPlan, tree: ModuleTree) -> SplitShare:
+    """The whole model's split share of parameters and of FLOPs, weighted by the tree's costs."""
+    shares = splittable_fraction(plan, tree)
+    params = sum(n.param_count for n in tree.nodes())
+    flops = sum(n.flops for n in tree.nodes())
+    split_p = sum(n.param_count * shares[n.name].params for n in tree.nodes() if n.name in shares)
+    split_f = sum(n.flops * shares[n.name].flops for n in tree.nodes() if n.name in shares)
+    return SplitShare(split_p / params if params else 0.0, split_f / flops if flops else 0.0)
+
+
+__all__ = [
+    "AttentionAdapter", "AttentionLayout", "AttentionSplit", "Decision", "SplitShare", "TensorParallelPlan",
+    "TensorParallelWarning", "attention_adapter", "elementwise_between", "looks_like_attention",
+    "plan_tensor_parallel", "published_plan", "register_attention_adapter", "set_tensor_parallelism",
+    "split_totals", "splittable_fraction", "tensor_parallelism", "tensor_parallelism_of",
+]

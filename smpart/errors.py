@@ -26,7 +26,10 @@ class PartitionError(SmpartError):
 class PipelineError(SmpartError):
     """A step failed while running on the pipeline.
 
-    ``stage``, ``module`` and ``microbatch`` say where; the original exception is ``__cause__``.
+    ``stage``, ``module``, ``microbatch`` and ``rank`` say where; the original exception is
+    ``__cause__`` in the process where it happened. Pickled (sent to another rank), it keeps its
+    message and those fields and carries the original's traceback as text (``remote_traceback``),
+    since the original exception itself may not pickle.
     """
 
     def __init__(
@@ -36,11 +39,47 @@ class PipelineError(SmpartError):
         stage: int | None = None,
         module: str | None = None,
         microbatch: int | None = None,
+        rank: int | None = None,
+        remote_traceback: str | None = None,
     ) -> None:
         super().__init__(message)
         self.stage = stage
         self.module = module
         self.microbatch = microbatch
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self) -> tuple:
+        trace = self.remote_traceback
+        if trace is None and self.__cause__ is not None:
+            import traceback
+
+            trace = "".join(traceback.format_exception(self.__cause__))
+        fields = {"stage": self.stage, "module": self.module, "microbatch": self.microbatch,
+                  "rank": self.rank, "remote_traceback": trace}
+        return (_rebuild_pipeline_error, (type(self), str(self), fields))
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.remote_traceback and self.__cause__ is None:
+            return f"{text}\n\nOriginal traceback (on rank {self.rank}):\n{self.remote_traceback}"
+        return text
+
+
+def _rebuild_pipeline_error(cls: type, message: str, fields: dict) -> PipelineError:
+    return cls(message, **fields)
+
+
+class PeerLost(SmpartError):
+    """Another rank of the job died or stopped answering."""
+
+    def __init__(self, rank: int, detail: str = "") -> None:
+        super().__init__(f"rank {rank} was lost (its process died or stopped answering){detail}; every "
+                         "rank of this job stops: restart it (from a checkpoint)")
+        self.rank = rank
+
+    def __reduce__(self) -> tuple:
+        return (PeerLost, (self.rank,))
 
 
 class PlanError(SmpartError):

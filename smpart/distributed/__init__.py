@@ -1,1 +1,1 @@
-"""Ranks and the mesh, process groups, the process transport, faults across ranks."""
+"""One process per stage: launching, the layout of ranks, the process transport."""

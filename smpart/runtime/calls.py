@@ -2,12 +2,16 @@
 
 Placement installs a `StagedForward` as each placed module's ``forward`` (an instance attribute,
 so ``module(...)``, its hooks and ``module.forward(...)`` all go through it). Every thread running
-pipeline work carries a `Frame` (thread-local): which endpoint it is (a stage's server or a
-micro-batch's driver), for which step and micro-batch. A call to a module of the current stage
-runs inline, exactly as in the unsplit model (a call resumed after a remote answer first takes
-its stage's compute baton, `ExecutionServer.enter_compute`); a call to a module of another stage
-becomes ``frame.endpoint.call(...)``, i.e. a `ForwardRequest` whose answer comes back as fresh
-tensors.
+pipeline work carries a `Frame` (thread-local): which endpoint it works for (a stage's server or
+a micro-batch's driver), for which step and micro-batch. A call to a module of the frame's own
+stage runs inline, exactly as in the unsplit model; a call to a module of another stage becomes
+``frame.endpoint.call(...)``, a `Request` whose answer comes back as fresh tensors.
+
+A stage frame holds its stage's turn (``frame.claim``) while it computes. Waiting for another
+stage it gives the turn back; resumed, it runs as *glue* (the few lines between two remote calls
+of an orchestrating module) until it next calls a module of its own stage, which takes the turn
+again first (`StageServer.enter_compute`).
+
 Outside a step (no frame) modules run inline in the calling thread, like an ordinary model.
 """
 
@@ -29,24 +33,22 @@ class Endpoint(Protocol):
 
     stage: int | None
 
-    def call(self, frame: Frame, stage: int, module: str, args: tuple, kwargs: dict) -> Any: ...
+    def call(self, frame: Frame, stage: int, model: int, module: str, args: tuple, kwargs: dict) -> Any: ...
 
 
 @dataclass(slots=True)
 class Frame:
-    """What the current thread is running: ``endpoint`` works for ``microbatch`` of ``step``.
+    """What the current thread runs: ``endpoint`` works for ``microbatch`` of ``step``.
 
-    ``run``, ``ticket``, ``glue`` and ``since`` belong to a stage's frames: the stage's per-step
-    state, the compute and glue baton tickets the frame holds (None: not held), and when its
-    current timeline span started.
+    ``run``, ``claim`` and ``since`` belong to stage frames: the stage's per-step state, the claim
+    holding the stage's turn (None: not held) and when the current timeline span started.
     """
 
     endpoint: Endpoint
     step: int
     microbatch: int
     run: Any = None
-    ticket: Any = None
-    glue: Any = None
+    claim: Any = None
     since: float = 0.0
 
     @property
@@ -62,10 +64,7 @@ def current_frame() -> Frame | None:
 
 
 class running:  # noqa: N801 - used like a function: ``with running(frame):``
-    """Run the block as ``frame`` (frames nest: the previous one is restored after).
-
-    A class rather than a generator-based context manager: it is entered for every message.
-    """
+    """Run the block as ``frame`` (frames nest: the previous one is restored after)."""
 
     __slots__ = ("frame", "previous")
 
@@ -85,11 +84,12 @@ class running:  # noqa: N801 - used like a function: ``with running(frame):``
 class StagedForward:
     """A module's ``forward`` that knows the module's stage. Dispatches on the caller's frame."""
 
-    def __init__(self, module: nn.Module, name: str, stage: int) -> None:
+    def __init__(self, module: nn.Module, model: int, name: str, stage: int) -> None:
         self.module = module
+        self.model = model
         self.name = name
         self.stage = stage
-        #: A forward the user set on the instance before placement (rare), else None.
+        #: A forward the user (or activation checkpointing) set on the instance before placement.
         self.instance_forward = module.__dict__.get("forward")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -97,8 +97,8 @@ class StagedForward:
         if frame is None:
             return self.run_here(None, args, kwargs)
         if frame.stage != self.stage:
-            return frame.endpoint.call(frame, self.stage, self.name, args, kwargs)
-        if frame.run is not None and frame.ticket is None:  # a resumed call, running as glue
+            return frame.endpoint.call(frame, self.stage, self.model, self.name, args, kwargs)
+        if frame.claim is None:  # a resumed call, running as glue
             frame.endpoint.enter_compute(frame)
         return self.run_here(frame, args, kwargs)
 
@@ -122,10 +122,11 @@ class StagedForward:
         return inspect.signature(self.__wrapped__)
 
 
-def install(module: nn.Module, name: str, stage: int) -> None:
+def install(module: nn.Module, model: int, name: str, stage: int) -> None:
     if isinstance(module.__dict__.get("forward"), StagedForward):
-        raise RuntimeError(f"module {name!r} is already placed by another DistributedModel")
-    module.forward = StagedForward(module, name, stage)  # type: ignore[method-assign]
+        raise PipelineError(f"module {name!r} is already placed by another DistributedModel; wrap each "
+                            "model once, and do not share modules between two DistributedModels")
+    module.forward = StagedForward(module, model, name, stage)  # type: ignore[method-assign]
 
 
 def uninstall(module: nn.Module) -> None:
@@ -147,16 +148,18 @@ def mark_origin(err: BaseException, stage: int | None, module: str, microbatch: 
 
 
 def as_pipeline_error(err: BaseException, stage: int | None, module: str | None, microbatch: int,
-                      phase: str = "forward") -> PipelineError:
+                      phase: str = "forward", rank: int | None = None) -> PipelineError:
     """``err`` as a `PipelineError` naming where it happened (already one: returned unchanged)."""
     if isinstance(err, PipelineError):
         return err
     stage, module, microbatch = getattr(err, "_smpart_origin", (stage, module, microbatch))
     where = "the step body" if stage is None else f"stage {stage}"
+    if rank is not None:
+        where += f" (rank {rank})"
     what = "" if module is None else f" in module {module or '<root>'!r}"
     failure = PipelineError(
         f"{phase} of micro-batch {microbatch} failed on {where}{what}: {type(err).__name__}: {err}",
-        stage=stage, module=module, microbatch=microbatch,
+        stage=stage, module=module, microbatch=microbatch, rank=rank,
     )
     failure.__cause__ = err
     return failure

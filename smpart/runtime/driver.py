@@ -1,41 +1,44 @@
 """`Driver`: the thread that runs the user's step body for one micro-batch.
 
-A driver is an endpoint without a stage: every module call it makes is a request to the stage
+A driver is an endpoint without a stage: every module call it makes is a `Request` to the stage
 owning the module, answered on the driver's own address. The body's loss is computed here, on
-the tensors the root module returned, and ``model.backward(loss)`` runs its (small) backward here
-too; the `_Arrive` node behind those tensors turns their gradients into a message to the root's
-stage, and the backward travels on from stage to stage as messages. The driver then waits until
-no gradient message of its micro-batch is in flight, serving the ones addressed to it (inputs
-created in the body that require grad).
+the tensors the root module returned, and ``model.backward(loss)`` runs its (small) backward
+here too; the `_Arrive` node behind those tensors turns their gradients into messages to the
+stages, and the backward travels on from stage to stage as messages. The driver hands out the
+micro-batch's backward credit (see `messages`) and waits for all of it to come home, serving the
+gradient messages addressed to it (inputs created in the body that require grad) meanwhile.
 
 Drivers make their first model call in micro-batch order (a turnstile), so micro-batches enter
-the pipeline in order whatever the thread timing. Every driver starts with the step and first
-waits for one of the schedule's in-flight slots (`StepRun.wait_for_slot`).
+the pipeline in order whatever the thread timing.
 """
 
 from __future__ import annotations
 
 import time
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from smpart.errors import PipelineError, SmpartError
 from smpart.runtime import boundary
-from smpart.runtime.baton import POLL_S, Cancelled
+from smpart.runtime.ambient import capture
 from smpart.runtime.calls import Frame, as_pipeline_error, running
-from smpart.runtime.gradients import CallRecords, backpropagate, gradient_poster, held_posts
+from smpart.runtime.gradients import CallRecords, Outbox, backpropagate, dispatch
 from smpart.runtime.messages import (
-    BackwardRequest,
-    ForwardRequest,
-    ForwardResponse,
-    ForwardsDone,
-    GradResponse,
+    STAGE,
+    Credit,
+    ForwardDone,
+    Gradients,
     MicrobatchFinished,
     Release,
+    Request,
+    Response,
+    driver_endpoint,
 )
 from smpart.runtime.microbatches import detached
-from smpart.runtime.server import coordinator_address, driver_address, new_call_id
+from smpart.runtime.scheduler import Cancelled
+from smpart.runtime.stage import POLL_S, new_call_id
 
 if TYPE_CHECKING:
     from smpart.runtime.step_run import StepRun
@@ -48,8 +51,10 @@ class Driver:
         self.run = run
         self.microbatch = microbatch
         self.args, self.kwargs = args, kwargs
-        self.address = driver_address(run.step, microbatch)
+        self.address = (run.place, driver_endpoint(run.step, microbatch))
         self.sent: CallRecords = {}
+        self.outbox = Outbox()
+        self.credit_home = Fraction(0)
         self.backward_called = False
         self.forward_done = False
         self.passed_turn = False
@@ -59,28 +64,24 @@ class Driver:
     def main(self) -> None:
         run, mb = self.run, self.microbatch
         finished = MicrobatchFinished(run.step, mb)
-        slot = False
         try:
-            run.wait_for_slot(mb)
-            slot = True
             with running(Frame(self, run.step, mb)):
                 result = run.fn(*self.args, **self.kwargs)
             self.pass_turn()
             self.finish_forward()
-            self._drain()
+            if self.backward_called:
+                self._await_backward()
             finished.result = detached(result)
         except Cancelled:
             finished.error = Cancelled()
         except BaseException as err:  # noqa: BLE001 - every failure must reach the coordinator
             finished.error = err if isinstance(err, SmpartError) else as_pipeline_error(
-                err, None, None, mb, "step")
+                err, None, None, mb, "step", rank=run.rank)
         finally:
-            if slot:
-                run.free_slot()  # first: the next micro-batch's start is on the critical path
             self._advance_turn()
-            self.run.transport.close(self.address)
-            self.run.broadcast(Release(run.step, mb))
-            self.run.transport.send(coordinator_address(run.step), finished)
+            run.transport.close(self.address)
+            run.broadcast(Release(run.step, mb))
+            run.report(finished)
 
     # ================================================================ turnstile
     def wait_turn(self) -> None:
@@ -109,29 +110,30 @@ class Driver:
             self.run.turn.notify_all()
 
     # ================================================================ calls
-    def call(self, frame: Frame, stage: int, module: str, args: tuple, kwargs: dict) -> Any:
-        """The body calls ``module`` (on ``stage``): request it and serve our inbox until answered."""
+    def call(self, frame: Frame, stage: int, model: int, module: str, args: tuple, kwargs: dict) -> Any:
+        """The body calls ``module`` (on ``stage``): request it and wait for the answer."""
         run, mb = self.run, self.microbatch
         self.wait_turn()
-        call_id = new_call_id()
-        grad = torch.is_grad_enabled()
-        kept, forwarded = boundary.depart_call(args, kwargs, grad,
-                                               lambda: f"the arguments of module {module!r} (stage {stage})")
+        call_id = new_call_id(run.place)
+        ambient = capture()
+        what = lambda: f"the arguments of module {module!r} (stage {stage})"  # noqa: E731
+        kept, forwarded = boundary.depart_call(args, kwargs, ambient.grad_enabled, what)
         if kept is not None:
             self.sent[call_id] = (module, kept)
-        request = ForwardRequest(run.step, mb, call_id, self.address, module, args, kwargs, grad, forwarded)
-        run.transport.send(stage, request)
+        callee = (run.place_of_stage(stage), STAGE)
+        run.send(callee, Request(run.step, mb, call_id, self.address, model, module, args, kwargs, ambient,
+                                 forwarded))
         self.pass_turn()
         deadline = time.monotonic() + run.timeout_s
-        what = f"module {module or '<root>'!r} on stage {stage}"
+        what_wait = f"module {module or '<root>'!r} on stage {stage}"
         message = None
-        while not (isinstance(message, ForwardResponse) and message.call_id == call_id):
-            message = self._poll(deadline, what)
+        while not (isinstance(message, Response) and message.call_id == call_id):
+            message = self._next(deadline, what_wait)
         if message.error is not None:
             raise message.error
-        route = boundary.route_back(stage, call_id, True, message.forwarded)
-        return boundary.arrive(message.output, None, route if grad else None,
-                               gradient_poster(run.transport.send, run.pending, run.step, mb))
+        route = boundary.route_back(callee, call_id, True, message.forwarded)
+        route = route if ambient.grad_enabled else None
+        return boundary.arrive(message.output, None, route, self.outbox.post)
 
     # ================================================================ backward
     def backward(self, loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:
@@ -151,42 +153,52 @@ class Driver:
         self.finish_forward()
         scale = 1.0 / self.run.microbatches if self.run.average_grads else 1.0
         grad = torch.ones_like(loss) if grad is None else grad
-        held = held_posts()
-        try:
-            torch.autograd.backward(loss, grad * scale)
-        finally:
-            held.flush()
+        torch.autograd.backward(loss, grad * scale)
+        self._dispatch(Fraction(1))
 
     def finish_forward(self) -> None:
         if not self.forward_done:
             self.forward_done = True
-            self.run.broadcast(ForwardsDone(self.run.step, self.microbatch))
+            self.run.broadcast(ForwardDone(self.run.step, self.microbatch))
 
-    def _drain(self) -> None:
-        """Serve our inbox until no gradient message of this micro-batch is in flight."""
+    def _dispatch(self, credit: Fraction) -> None:
+        posts = self.outbox.take()
+        if posts:
+            dispatch(self.run.send, posts, credit, self.run.step, self.microbatch, self.address)
+        else:
+            self.credit_home += credit
+
+    def _await_backward(self) -> None:
+        """Serve our inbox until every share of the backward credit has come home."""
         deadline = time.monotonic() + self.run.timeout_s
-        while self.run.pending.count(self.microbatch) > 0:
-            self._poll(deadline, "the backward pass to finish")
+        while self.credit_home < 1:
+            self._next(deadline, "the backward pass to finish")
 
     # ================================================================ inbox
-    def _poll(self, deadline: float, waiting_for: str) -> Any:
-        """The next message for this driver (None if none came or it was a gradient, served here)."""
-        self._check(deadline, waiting_for)
+    def _next(self, deadline: float, waiting_for: str) -> Any:
+        """The next message for this driver; credit and gradients are handled here (None returned)."""
         message = self.run.transport.receive(self.address, POLL_S)
-        if isinstance(message, BackwardRequest | GradResponse):
-            held = held_posts()
+        if message is None:
+            self._check(deadline, waiting_for)
+            return None
+        if isinstance(message, Credit):
+            self.credit_home += message.amount
+            return None
+        if isinstance(message, Gradients):
             try:
-                backpropagate([(self.sent, message)])
-            finally:
-                self.run.pending.done(self.microbatch)
-                held.flush()
+                backpropagate({}, self.sent, [message])
+            except Exception as err:
+                mb, rank = self.microbatch, self.run.rank
+                raise as_pipeline_error(err, None, None, mb, "backward", rank=rank) from err
+            self._dispatch(message.credit)
             return None
         return message
 
     def _check(self, deadline: float, waiting_for: str) -> None:
         if self.run.aborted.is_set():
             raise Cancelled()
+        self.run.transport.check()
         if time.monotonic() > deadline:
-            raise PipelineError(
-                f"micro-batch {self.microbatch} waited more than {self.run.timeout_s} s for {waiting_for} "
-                "(a hang, or work slower than the configured timeout_s)", microbatch=self.microbatch)
+            raise PipelineError(f"micro-batch {self.microbatch} waited more than {self.run.timeout_s} s for "
+                                f"{waiting_for} (a hang, or work slower than the configured timeout_s)",
+                                microbatch=self.microbatch, rank=self.run.rank)

@@ -1,41 +1,62 @@
-"""The messages stages, drivers and the step coordinator exchange; nothing else crosses.
+"""The messages drivers, stages and the step coordinator exchange; nothing else crosses.
 
-Every message is a small dataclass carrying the step it belongs to, so a message left over from
-an aborted step is recognised and dropped. Tensors travel inside `ForwardRequest` (arguments),
-`ForwardResponse` (outputs) and the two gradient messages; the receiver always detaches them and
-rebuilds its own autograd boundary (`smpart.runtime.boundary`), so no autograd graph ever spans
-two stages. That is what lets a process-based transport replace the in-process one unchanged.
+Every message is plain, picklable data: step and micro-batch numbers, module names, tensors
+(inside call arguments, outputs and gradients), exceptions made picklable
+(`smpart.errors.PipelineError`). Nothing live travels: no locks, no counters shared by
+reference, no schedule objects. That is what lets the process transport carry the same
+messages the thread transport passes by reference.
 
-Addresses: a stage is addressed by its index (``int``); a driver (one micro-batch's step body)
-by ``("driver", step, microbatch)``; a step's coordinator by ``("step", step)``.
+An *address* is ``(place, endpoint)``: ``place`` is where a stage lives (a rank under
+``torchrun``, an index on threads) and ``endpoint`` who receives there: `STAGE` (the stage's
+server), ``("driver", step, microbatch)``, ``("step", step)`` (the step's coordinator) or
+`MAIN` (the main thread of a rank that does not run the step body).
+
+How the end of a backward pass is detected without a shared counter: *credit*. A micro-batch's
+backward starts with credit 1 at its driver. Every gradient message carries a share of it; a
+backward segment that consumed messages worth ``c`` gives each message it posts ``c / n``, or,
+posting none, returns ``c`` to the driver (`Credit`). Credit is exact (fractions), so the
+driver knows the backward is over when all of it has come back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
-Address = Any
+STAGE = "stage"
+MAIN = "main"
+Address = tuple[int, Any]
+
+
+def driver_endpoint(step: int, microbatch: int) -> tuple:
+    return ("driver", step, microbatch)
+
+
+def coordinator_endpoint(step: int) -> tuple:
+    return ("step", step)
 
 
 @dataclass(slots=True)
-class ForwardRequest:
-    """Run ``module`` (a qualified name living on the receiving stage) on ``args``/``kwargs``."""
+class Request:
+    """Run ``module`` of model ``model`` (both live on the receiving stage) on ``args``/``kwargs``."""
 
     step: int
     microbatch: int
     call_id: int
     reply_to: Address
+    model: int
     module: str
     args: Any
     kwargs: Any
-    grad_enabled: bool
+    #: The caller's thread-local state that changes what modules compute (grad mode, autocast).
+    ambient: Any
     #: Tensor index -> route, for arguments passed on unchanged (see `boundary.depart`).
     forwarded: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
-class ForwardResponse:
+class Response:
     """The outputs of call ``call_id``, or the `PipelineError` it raised."""
 
     step: int
@@ -43,56 +64,46 @@ class ForwardResponse:
     call_id: int
     output: Any = None
     error: BaseException | None = None
-    #: Tensor index -> route, for outputs that are tensors passed on unchanged.
     forwarded: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
-class BackwardRequest:
-    """Gradients of the outputs of call ``call_id`` (tensor index -> gradient), for its callee."""
+class Gradients:
+    """Gradients (tensor index -> gradient) of the tensors call ``call_id`` kept: its outputs, for
+    the callee (``to_outputs``), or its arguments, for the caller."""
 
     step: int
     microbatch: int
     call_id: int
+    to_outputs: bool
     grads: dict[int, Any]
+    credit: Fraction
 
 
 @dataclass(slots=True)
-class GradResponse:
-    """Gradients of the arguments call ``call_id`` sent (tensor index -> gradient), for its caller."""
+class Credit:
+    """Backward credit coming home to the driver of ``microbatch``."""
 
     step: int
     microbatch: int
-    call_id: int
-    grads: dict[int, Any]
-
-
-GradientMessage = BackwardRequest | GradResponse
+    amount: Fraction
 
 
 @dataclass(slots=True)
 class BeginStep:
-    """A step starts: reset per-step state; ``policy`` is the schedule, ``pending`` the shared
-    per-micro-batch counter of gradient messages in flight."""
+    """A step starts: reset per-step state and follow ``schedule`` for ``microbatches``."""
 
     step: int
     microbatches: int
-    policy: Any
-    pending: Any
+    schedule: str
+    active_microbatches: int | None
     timeout_s: float
+    coordinator: Address
 
 
 @dataclass(slots=True)
-class ForwardsDone:
-    """Micro-batch ``microbatch`` has finished its forward pass (the schedule may care)."""
-
-    step: int
-    microbatch: int
-
-
-@dataclass(slots=True)
-class Drained:
-    """The last gradient message of ``microbatch`` in flight was processed."""
+class ForwardDone:
+    """Micro-batch ``microbatch`` has finished its forward pass everywhere."""
 
     step: int
     microbatch: int
@@ -100,7 +111,7 @@ class Drained:
 
 @dataclass(slots=True)
 class Release:
-    """Micro-batch ``microbatch`` is complete: drop what the stage kept for its backward."""
+    """Micro-batch ``microbatch`` is complete (or failed): drop what was kept for it."""
 
     step: int
     microbatch: int
@@ -108,26 +119,28 @@ class Release:
 
 @dataclass(slots=True)
 class Abort:
-    """The step failed: cancel its waiting work and drop its messages."""
+    """The step failed: cancel its work and drop its late messages."""
 
     step: int
 
 
 @dataclass(slots=True)
 class EndStep:
-    """The step is over: reply with a `StepReport` to ``reply_to``."""
+    """The step is over: reply with a `StageReport`."""
 
     step: int
-    reply_to: Address
 
 
 @dataclass(slots=True)
-class StepReport:
-    """A stage's timeline spans for a step."""
+class StageReport:
+    """What a stage did during a step: timeline spans ``(microbatch, kind, start, end)`` in the
+    stage's clock, and the order it started its actions."""
 
     step: int
     stage: int
     spans: list[tuple[int, str, float, float]] = field(default_factory=list)
+    started: list[str] = field(default_factory=list)
+    clock_offset: float = 0.0
 
 
 @dataclass(slots=True)
@@ -150,4 +163,4 @@ class Failed:
 
 @dataclass(slots=True)
 class Shutdown:
-    """Stop the receiving server."""
+    """Stop the receiving endpoint."""

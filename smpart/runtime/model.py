@@ -7,6 +7,7 @@ its first call inside a step; calls made outside a step run the model inline lik
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -18,6 +19,8 @@ from smpart.partition.result import Partition
 from smpart.runtime.calls import current_frame
 from smpart.runtime.driver import Driver
 
+_model_ids = itertools.count()
+
 
 class DistributedModel:
     """``smpart.DistributedModel(model)``: pass it to an ``@smpart.step`` function and call it there."""
@@ -28,6 +31,8 @@ class DistributedModel:
         if not isinstance(module, nn.Module):
             raise SmpartError(f"DistributedModel wraps a torch.nn.Module, got {type(module).__name__}")
         self.module = module
+        #: Models are numbered in creation order: every rank builds them in the same order.
+        self.model_id = next(_model_ids)
         self._partition: Partition | None = None
         self._runtime: Any = None
 

@@ -19,7 +19,7 @@ from smpart.config import Config
 from smpart.errors import ConfigError, PartitionError
 from smpart.partition.result import Partition
 from smpart.runtime.calls import install, uninstall
-from smpart.runtime.server import ExecutionServer
+from smpart.runtime.stage import StageServer
 
 
 def choose_devices(config: Config) -> list[torch.device]:
@@ -59,8 +59,9 @@ def module_stages(model: nn.Module, partition: Partition) -> dict[str, int]:
     return stages
 
 
-def place(model: nn.Module, partition: Partition, servers: list[ExecutionServer]) -> None:
-    """Move each module's own tensors to its stage's device and route its calls there."""
+def place(model: nn.Module, model_id: int, partition: Partition, servers: list[StageServer]) -> None:
+    """Move each module's own tensors to its stage's device and route its calls there (threads:
+    every stage's server is here)."""
     if partition.num_stages != len(servers):
         raise PartitionError(f"the partition has {partition.num_stages} stages but the runtime runs "
                              f"{len(servers)}; re-partition with num_stages={len(servers)}")
@@ -69,11 +70,11 @@ def place(model: nn.Module, partition: Partition, servers: list[ExecutionServer]
     for name, module in model.named_modules():
         server = servers[stages[name]]
         _move_own_tensors(module, server.device, moved)
-        install(module, name, server.stage)
-        server.modules[name] = module
+        install(module, model_id, name, server.stage)
+        server.modules[(model_id, name)] = module
 
 
-def unplace(model: nn.Module, servers: list[ExecutionServer]) -> None:
+def unplace(model: nn.Module, servers: list[StageServer]) -> None:
     """Undo `place`'s routing (tensors stay where they are)."""
     for module in model.modules():
         uninstall(module)

@@ -1,8 +1,9 @@
 """The process-wide runtime: `init`, `shutdown`, `set_partition`, `partition_of`.
 
-`init` validates a `Config`, picks each stage's device and starts one `ExecutionServer` per stage
-over a `ThreadTransport`. `shutdown` joins every thread and gives placed models their plain
-forwards back; `init` may then be called again with another configuration (a model is
+`init` validates a `Config` and starts the stage servers this process hosts: every stage, on
+threads (the embedded default), or its own stage, one process per stage under ``torchrun``
+(`smpart.distributed.launch`). `shutdown` joins every thread and gives placed models their
+plain forwards back; `init` may then be called again with another configuration (a model is
 re-partitioned at its next step). Interpreter exit shuts down too.
 """
 
@@ -16,41 +17,64 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from smpart.config import Config
 from smpart.errors import ConfigError, SmpartError
 from smpart.partition.result import Partition
 from smpart.runtime.placement import choose_devices, make_partition, pins_for, place, unplace
-from smpart.runtime.server import ExecutionServer
+from smpart.runtime.stage import StageServer
 from smpart.runtime.step_run import StepRun
-from smpart.runtime.transport import ThreadTransport
+from smpart.runtime.transport import ThreadTransport, Transport
 
 if TYPE_CHECKING:
     from smpart.runtime.model import DistributedModel
 
 _runtime: Runtime | None = None
 _module_pins: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+_in_step = threading.local()
 
 
 class Runtime:
-    """The execution servers of one configuration and the models placed on them."""
+    """The stage servers of one configuration and the models placed on them (threads)."""
+
+    #: This process's rank under torch.distributed (None on threads).
+    rank: int | None = None
+    #: Where drivers and step coordinators live (the first stage's place).
+    driver_place = 0
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        self.num_stages = config.pipeline_parallel_degree
         self.devices = choose_devices(config)
-        self.transport = ThreadTransport()
-        self.servers = [ExecutionServer(s, d, self.transport) for s, d in enumerate(self.devices)]
-        for server in self.servers:
-            server.peers = self.servers
+        self.transport: Transport = ThreadTransport()
+        self.servers = [StageServer(s, self.num_stages, s, d, self.transport, self.place_of_stage)
+                        for s, d in enumerate(self.devices)]
         self.steps = itertools.count()
         self.models: weakref.WeakSet[DistributedModel] = weakref.WeakSet()
         self._step_lock = threading.Lock()
         self._place_lock = threading.Lock()
 
+    def place_of_stage(self, stage: int) -> int:
+        return stage
+
+    def stage_bytes(self, before: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:
+        """Tensor bytes sent between stages since ``before`` (a copy of ``transport.bytes_sent``)."""
+        now = self.transport.bytes_sent
+        return {key: now[key] - before.get(key, 0) for key in list(now) if now[key] > before.get(key, 0)}
+
     def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]]) -> tuple[list[Any], Any]:
+        if getattr(_in_step, "active", False):
+            raise SmpartError("an @smpart.step function was called inside another step (or from a module "
+                              "running in one); steps do not nest: call the inner step after the outer "
+                              "one returns, or make it a plain function")
         with self._step_lock:
-            return StepRun(self, next(self.steps), fn, pieces).execute()
+            _in_step.active = True
+            try:
+                return StepRun(self, next(self.steps), fn, pieces).execute()
+            finally:
+                _in_step.active = False
 
     def ensure_placed(self, model: DistributedModel, args: tuple, kwargs: dict) -> None:
         """Partition and place ``model`` on its first call (micro-batch 0 of its first step)."""
@@ -60,10 +84,10 @@ class Runtime:
             if model._runtime is self:
                 return
             partition = model._partition
-            if partition is None or partition.num_stages != len(self.servers):
+            if partition is None or partition.num_stages != self.num_stages:
                 pins = pins_for(model.module, self.config.pin, dict(_module_pins.items()))
                 partition = make_partition(model.module, args, kwargs, self.config, pins)
-            place(model.module, partition, self.servers)
+            place(model.module, model.model_id, partition, self.servers)
             model._partition = partition
             model._runtime = self
             self.models.add(model)
@@ -75,20 +99,29 @@ class Runtime:
         stuck: list[str] = []
         for server in self.servers:
             stuck += server.stop(timeout_s)
+        self.transport.shutdown()
         return stuck
 
 
 def init(config: Config | dict[str, Any] | None = None, **kwargs: Any) -> Config:
     """Start smpart with a `Config`, a dict or keyword arguments; returns the validated `Config`.
 
-    Calling it again first shuts the running configuration down.
+    Under ``torchrun`` (or with a process group already initialised) every rank calls it with
+    the same configuration and runs one stage; otherwise every stage runs on threads of this
+    process. Calling it again first shuts the running configuration down.
     """
     global _runtime
     cfg = Config.from_any(config, **kwargs)
-    if cfg.tensor_parallel_degree != 1 or (cfg.data_parallel_degree or 1) != 1:
-        raise ConfigError("this runtime runs pipeline parallelism only: tensor_parallel_degree and "
-                          "data_parallel_degree must be 1")
     shutdown()
+    from smpart.distributed.launch import launched_with_processes, process_runtime
+
+    if launched_with_processes():
+        _runtime = process_runtime(cfg)
+        return cfg
+    if cfg.tensor_parallel_degree != 1 or (cfg.data_parallel_degree or 1) != 1:
+        raise ConfigError("on threads (no torchrun) smpart runs pipeline parallelism only: "
+                          "tensor_parallel_degree and data_parallel_degree need one process per rank "
+                          "(launch with torchrun --nproc-per-node <pp x tp x dp>)")
     _runtime = Runtime(cfg)
     return cfg
 
@@ -110,12 +143,19 @@ def current_runtime() -> Runtime:
     return _runtime
 
 
+def running_runtime() -> Runtime | None:
+    return _runtime
+
+
 def set_partition(module: nn.Module, stage: int) -> None:
     """Pin ``module`` (and its sub-modules) to pipeline ``stage``; call it before the first step."""
     if not isinstance(module, nn.Module):
         raise SmpartError(f"set_partition needs an nn.Module, got {type(module).__name__}")
     if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
         raise SmpartError(f"set_partition: stage must be an int >= 0, got {stage!r}")
+    if _runtime is not None and stage >= _runtime.num_stages:
+        raise SmpartError(f"set_partition: stage {stage} does not exist, smpart runs "
+                          f"{_runtime.num_stages} pipeline stage(s) (0..{_runtime.num_stages - 1})")
     _module_pins[module] = stage
 
 
@@ -134,3 +174,4 @@ def _shutdown_at_exit() -> None:
 
 
 atexit.register(_shutdown_at_exit)
+_ = torch  # the device helpers above re-export torch types in signatures

@@ -1,89 +1,94 @@
-"""Pipeline schedules as data: which ready work a stage runs next, and what may run at all.
+"""Pipeline schedules as data: the order in which each stage starts its work.
 
-A stage runs one piece of work at a time (see `smpart.runtime.baton`). When it is free it asks
-its schedule two questions about every waiting piece of work (a forward call to start or resume,
-a batch of gradients to propagate): may it run now (`ready`), and in which order (`rank`, lowest
-first). The schedule also says how many micro-batches may be in flight at once (`in_flight`).
+A schedule is a list of *actions* per stage: ``F3`` is "the forward work of micro-batch 3 on
+this stage", ``B3`` its backward work. The list is computed before the step runs, can be printed
+(`Schedule.describe`) and tested, and the runtime follows it: a stage starts an action only
+when every action before it in its list has started, or can no longer happen (see
+`smpart.runtime.scheduler`). A timeline of a real run therefore starts its spans in list order.
 
-- ``simple`` (GPipe): every micro-batch's forward first, then the backwards. Gradient work is held
-  until all micro-batches have finished their forward pass, so all of them are in flight.
-- ``interleaved`` (1F1B-like): gradient work runs as soon as it is ready; when both kinds are
-  ready the stage alternates (one forward, one backward, backward first), older micro-batches
-  first. At most ``active_microbatches`` are in flight, which bounds the activations kept alive;
-  the default, stages + 1, is the 1F1B bound plus one, so that when a micro-batch completes the
-  next one's forward is already waiting at the first stage instead of arriving just too late.
+An action may span several pieces of work: a stage whose module is called several times for one
+micro-batch, or a backward that reaches the stage in several gradient messages, runs every piece
+of the action as it comes once the action has started. An action whose work never comes (a
+mixture-of-experts layer that no token of this micro-batch was routed to) is passed over once
+the micro-batch's forward (or backward) is known to be over everywhere.
+
+- ``gpipe`` (SMP's ``simple``): every micro-batch's forward, then every backward, in order
+  (``active_microbatches`` does not apply: every micro-batch is in flight by construction).
+- ``1f1b`` (SMP's ``interleaved``): stage ``s`` of ``p`` starts ``p - 1 - s`` forwards, then
+  alternates one forward and one backward, then finishes the backwards. At most ``p - s``
+  micro-batches keep activations on stage ``s`` at once.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import NamedTuple
 
-FORWARD = "forward"
-BACKWARD = "backward"
-#: A forward call resuming after another stage answered it. Usually a few lines of glue that pass
-#: the answer on to the next stage (a root module orchestrating every stage), so both schedules
-#: run it first: delaying it behind a long backward would starve the stages downstream.
-RESUME = "resume"
+from smpart.errors import ConfigError
+
+FORWARD = "F"
+BACKWARD = "B"
 
 
-class Schedule(ABC):
-    """A policy consulted by every stage; holds no per-step state itself."""
+class Action(NamedTuple):
+    """One micro-batch's forward (``"F"``) or backward (``"B"``) work on one stage."""
+
+    kind: str
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}"
+
+
+def gpipe_actions(stage: int, num_stages: int, microbatches: int,
+                  active_microbatches: int | None = None) -> list[Action]:
+    """All forwards, then all backwards."""
+    return ([Action(FORWARD, i) for i in range(microbatches)]
+            + [Action(BACKWARD, i) for i in range(microbatches)])
+
+
+def one_f_one_b_actions(stage: int, num_stages: int, microbatches: int,
+                        active_microbatches: int | None = None) -> list[Action]:
+    """Warm-up forwards, then one forward and one backward in turn, then the remaining backwards.
+    ``active_microbatches`` caps the warm-up (fewer micro-batches in flight, a longer bubble)."""
+    warmup = min(microbatches, num_stages - 1 - stage)
+    if active_microbatches is not None:
+        warmup = min(warmup, active_microbatches - 1)
+    actions = [Action(FORWARD, i) for i in range(warmup)]
+    for i in range(microbatches - warmup):
+        actions += [Action(FORWARD, warmup + i), Action(BACKWARD, i)]
+    actions += [Action(BACKWARD, i) for i in range(microbatches - warmup, microbatches)]
+    return actions
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A named rule giving every stage its list of actions."""
 
     name: str
 
-    @abstractmethod
-    def in_flight(self, microbatches: int, num_stages: int, active_microbatches: int | None) -> int:
-        """How many micro-batches may run at once."""
+    def actions(self, stage: int, num_stages: int, microbatches: int,
+                active_microbatches: int | None = None) -> list[Action]:
+        return _BUILDERS[self.name](stage, num_stages, microbatches, active_microbatches)
 
-    @abstractmethod
-    def rank(self, kind: str, microbatch: int, last: str | None) -> tuple[int, int]:
-        """Sort key of a piece of work among the ready ones (lowest runs first); ``last`` is the
-        kind of work the stage ran last."""
+    def table(self, num_stages: int, microbatches: int,
+              active_microbatches: int | None = None) -> list[list[Action]]:
+        return [self.actions(s, num_stages, microbatches, active_microbatches) for s in range(num_stages)]
 
-    @abstractmethod
-    def ready(self, kind: str, forwards_done: int, microbatches: int) -> bool:
-        """Whether work of ``kind`` may run, given how many forward passes have finished."""
-
-
-@dataclass(frozen=True)
-class Simple(Schedule):
-    """All forwards, then all backwards."""
-
-    name: str = "simple"
-
-    def in_flight(self, microbatches: int, num_stages: int, active_microbatches: int | None) -> int:
-        return microbatches  # the backwards wait for every forward: a smaller cap would deadlock
-
-    def rank(self, kind: str, microbatch: int, last: str | None) -> tuple[int, int]:
-        return ({RESUME: 0, FORWARD: 1, BACKWARD: 2}[kind], microbatch)
-
-    def ready(self, kind: str, forwards_done: int, microbatches: int) -> bool:
-        return kind != BACKWARD or forwards_done >= microbatches
+    def describe(self, num_stages: int, microbatches: int, active_microbatches: int | None = None) -> str:
+        """One line per stage, e.g. ``stage 0: F0 F1 B0 F2 B1 F3 B2 B3``."""
+        table = self.table(num_stages, microbatches, active_microbatches)
+        return "\n".join(f"stage {s}: " + " ".join(map(str, actions)) for s, actions in enumerate(table))
 
 
-@dataclass(frozen=True)
-class Interleaved(Schedule):
-    """Forward and backward work alternate (backward first); a bounded number in flight."""
-
-    name: str = "interleaved"
-
-    def in_flight(self, microbatches: int, num_stages: int, active_microbatches: int | None) -> int:
-        return min(microbatches, active_microbatches or num_stages + 1)
-
-    def rank(self, kind: str, microbatch: int, last: str | None) -> tuple[int, int]:
-        if kind == RESUME:
-            return (0, microbatch)
-        if last == BACKWARD:
-            return ({FORWARD: 1, BACKWARD: 2}[kind], microbatch)
-        return ({BACKWARD: 1, FORWARD: 2}[kind], microbatch)
-
-    def ready(self, kind: str, forwards_done: int, microbatches: int) -> bool:
-        return True
-
-
-SCHEDULES: dict[str, Schedule] = {"simple": Simple(), "interleaved": Interleaved()}
+_BUILDERS = {"gpipe": gpipe_actions, "1f1b": one_f_one_b_actions}
+ALIASES = {"simple": "gpipe", "interleaved": "1f1b"}
 
 
 def schedule_named(name: str) -> Schedule:
-    return SCHEDULES[name]
+    """``gpipe``, ``1f1b``, or SMP's aliases ``simple`` and ``interleaved``."""
+    canonical = ALIASES.get(name, name)
+    if canonical not in _BUILDERS:
+        raise ConfigError(f"unknown pipeline schedule {name!r}; use one of "
+                          f"{sorted([*_BUILDERS, *ALIASES])}")
+    return Schedule(canonical)

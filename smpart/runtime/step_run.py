@@ -1,11 +1,13 @@
 """`StepRun`: one call of a step function, coordinated from the calling thread.
 
-The coordinator tells every stage a step begins (schedule, micro-batch count), starts one
-`Driver` thread per micro-batch (each waits for a slot: never more run at once than the schedule
-allows in flight), and waits on its own address for each driver's result or any stage's
-failure. On the first failure it aborts the step everywhere (stages drop its work, drivers
-stop waiting) and re-raises it once every driver has stopped; either way it collects each
-stage's timeline spans at the end.
+The coordinator tells every stage that a step begins (its schedule and micro-batch count),
+starts one `Driver` thread per micro-batch and waits on its own address for each driver's result
+or any stage's failure. On the first failure it aborts the step everywhere (stages drop its work,
+drivers stop waiting) and re-raises it once every driver has stopped. Either way it ends the
+step on every stage and builds the `Timeline` from their reports.
+
+The order work runs in is not decided here: each stage follows its own list of actions (see
+`schedule` and `scheduler`), so drivers may all start at once.
 """
 
 from __future__ import annotations
@@ -16,12 +18,20 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from smpart.errors import PipelineError
-from smpart.runtime.baton import POLL_S, Cancelled
 from smpart.runtime.driver import Driver
-from smpart.runtime.gradients import PendingGradients
-from smpart.runtime.messages import Abort, BeginStep, EndStep, Failed, MicrobatchFinished, StepReport
-from smpart.runtime.schedule import schedule_named
-from smpart.runtime.server import coordinator_address
+from smpart.runtime.messages import (
+    STAGE,
+    Abort,
+    Address,
+    BeginStep,
+    EndStep,
+    Failed,
+    MicrobatchFinished,
+    StageReport,
+    coordinator_endpoint,
+)
+from smpart.runtime.scheduler import Cancelled
+from smpart.runtime.stage import POLL_S
 from smpart.runtime.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -37,81 +47,71 @@ class StepRun:
         self.pieces = pieces
         self.microbatches = len(pieces)
         self.transport = runtime.transport
-        self.num_stages = len(runtime.servers)
-        self.policy = schedule_named({"gpipe": "simple", "1f1b": "interleaved"}.get(config.pipeline, config.pipeline))
-        self.in_flight = self.policy.in_flight(self.microbatches, self.num_stages, config.active_microbatches)
+        self.place = runtime.driver_place
+        self.rank = runtime.rank
+        self.num_stages = runtime.num_stages
+        self.place_of_stage = runtime.place_of_stage
+        self.schedule = config.schedule
+        self.active_microbatches = config.active_microbatches
         self.average_grads = config.average_grads_across_microbatches
         self.timeout_s = config.timeout_s
-        self.pending = PendingGradients(self.microbatches)
         self.aborted = threading.Event()
         self.turn = threading.Condition()
         self.next_turn = 0
-        self.slots = threading.Condition()
-        self.completed = 0  # drivers done: micro-batch i may start once i < completed + in_flight
-        self.address = coordinator_address(step)
+        self.address: Address = (self.place, coordinator_endpoint(step))
+
+    def send(self, address: Address, message: Any) -> None:
+        self.transport.send(self.place, address, message)
 
     def broadcast(self, message: Any) -> None:
         for stage in range(self.num_stages):
-            self.transport.send(stage, message)
+            self.send((self.place_of_stage(stage), STAGE), message)
+
+    def report(self, finished: MicrobatchFinished) -> None:
+        self.send(self.address, finished)
 
     # ================================================================ the step
     def execute(self) -> tuple[list[Any], Timeline]:
         self.transport.open(self.address)
-        start = time.perf_counter()
-        self.broadcast(BeginStep(self.step, self.microbatches, self.policy, self.pending, self.timeout_s))
+        start = time.time()
+        bytes_before = dict(self.transport.bytes_sent)
+        self.broadcast(BeginStep(self.step, self.microbatches, self.schedule, self.active_microbatches,
+                                 self.timeout_s, self.address))
         threads: list[threading.Thread] = []
         results: list[Any] = [None] * self.microbatches
         failures: list[BaseException] = []
-        finished = 0
         try:
-            threads += [self._start_driver(mb) for mb in range(self.microbatches)]
-            while finished < len(threads):
-                message = self._wait()
-                if isinstance(message, MicrobatchFinished):
-                    finished += 1
-                    results[message.microbatch] = message.result
-                    error = message.error
-                elif isinstance(message, Failed):
-                    error = message.error
-                elif failures:  # aborted, yet a driver does not report back: give up on it
-                    break
-                else:  # nothing arrived for timeout_s
-                    error = PipelineError(f"step made no progress for {self.timeout_s} s (a hang?)")
-                if error is not None and not isinstance(error, Cancelled):
-                    if not failures:
-                        self._abort()
-                    failures.append(error)
+            threads = [self._start_driver(mb) for mb in range(self.microbatches)]
+            self._collect(results, failures, len(threads))
         finally:
             for thread in threads:
                 thread.join(self.timeout_s)
-            duration = time.perf_counter() - start
-            timeline = self._collect_timeline(start, duration)
+            timeline = self._end(start, time.time() - start, bytes_before)
             self.transport.close(self.address)
         if failures:  # several micro-batches may fail at once: report the earliest one
             raise min(failures, key=lambda e: _microbatch_of(e, self.microbatches))
         return results, timeline
 
-    # ================================================================ in-flight slots
-    def wait_for_slot(self, microbatch: int) -> None:
-        """Block the driver of ``microbatch`` until fewer than ``in_flight`` micro-batches run.
-
-        Every driver thread starts with the step and waits here, so when a micro-batch completes
-        the next one starts after one wake-up, with no thread to create on the critical path.
-        """
-        deadline = time.monotonic() + self.timeout_s
-        with self.slots:
-            while microbatch >= self.completed + self.in_flight:
-                if self.aborted.is_set():
-                    raise Cancelled()
-                if time.monotonic() > deadline:
-                    raise PipelineError(f"micro-batch {microbatch} waited more than {self.timeout_s} s for "
-                                        "an earlier micro-batch to complete", microbatch=microbatch)
-                self.slots.wait(POLL_S)
-
-    def free_slot(self) -> None:
-        with self.slots:
-            self.completed += 1
-            self.slots.notify_all()
+    def _collect(self, results: list[Any], failures: list[BaseException], drivers: int) -> None:
+        finished = 0
+        while finished < drivers:
+            message = self._wait()
+            error: BaseException | None = None
+            if isinstance(message, MicrobatchFinished):
+                finished += 1
+                results[message.microbatch] = message.result
+                error = message.error
+            elif isinstance(message, Failed):
+                error = message.error
+            elif failures:  # aborted, yet a driver does not report back: give up on it
+                break
+            elif message is None:
+                error = PipelineError(f"step made no progress for {self.timeout_s} s (a hang?)",
+                                      rank=self.rank)
+            if error is not None and not isinstance(error, Cancelled):
+                if not failures:
+                    self._abort()
+                failures.append(error)
 
     def _start_driver(self, microbatch: int) -> threading.Thread:
         args, kwargs = self.pieces[microbatch]
@@ -127,24 +127,30 @@ class StepRun:
             message = self.transport.receive(self.address, POLL_S)
             if message is not None:
                 return message
+            try:
+                self.transport.check()
+            except Exception as err:  # a lost rank: fail the step at once
+                return Failed(self.step, err)
         return None
 
     def _abort(self) -> None:
         self.aborted.set()
         self.broadcast(Abort(self.step))
-        with self.slots:
-            self.slots.notify_all()
 
-    def _collect_timeline(self, start: float, duration: float) -> Timeline:
-        self.broadcast(EndStep(self.step, self.address))
-        spans: dict[int, list] = {}
+    def _end(self, start: float, duration: float, bytes_before: dict) -> Timeline:
+        self.broadcast(EndStep(self.step))
+        reports: dict[int, StageReport] = {}
         deadline = time.monotonic() + min(self.timeout_s, 10.0)
-        while len(spans) < self.num_stages and time.monotonic() < deadline:
+        while len(reports) < self.num_stages and time.monotonic() < deadline:
             message = self.transport.receive(self.address, POLL_S)
-            if isinstance(message, StepReport) and message.step == self.step:
-                spans[message.stage] = message.spans
-        return Timeline.from_spans(spans, start, duration, self.num_stages, self.policy.name,
-                                   self.microbatches)
+            if isinstance(message, StageReport) and message.step == self.step:
+                reports[message.stage] = message
+        spans = {stage: report.spans for stage, report in reports.items()}
+        timeline = Timeline.from_spans(spans, start, duration, self.num_stages, self.schedule,
+                                       self.microbatches)
+        timeline.started = {stage: report.started for stage, report in reports.items()}
+        timeline.bytes_sent = self.runtime.stage_bytes(bytes_before)
+        return timeline
 
 
 def _microbatch_of(error: BaseException, last: int) -> int:

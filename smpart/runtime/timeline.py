@@ -22,6 +22,11 @@ class Timeline:
     events: list[dict[str, Any]] = field(default_factory=list)
     schedule: str = ""
     microbatches: int = 0
+    #: Stage -> the actions it started, in order (``["F0", "F1", "B0", ...]``): compare with
+    #: ``smpart.runtime.schedule.schedule_named(schedule).actions(stage, ...)``.
+    started: dict[int, list[str]] = field(default_factory=dict)
+    #: ``(src_stage, dst_stage) -> bytes`` of tensors sent between stages during the step.
+    bytes_sent: dict[tuple[int, int], int] = field(default_factory=dict)
 
     @classmethod
     def from_spans(cls, spans_by_stage: dict[int, list[tuple[int, str, float, float]]], origin: float,
@@ -55,6 +60,7 @@ class Timeline:
             "microbatches": self.microbatches,
             "bubble_fraction": self.bubble_fraction,
             "events": list(self.events),
+            "bytes_sent": [[src, dst, n] for (src, dst), n in sorted(self.bytes_sent.items())],
         }
 
     @classmethod

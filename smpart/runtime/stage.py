@@ -1,0 +1,466 @@
+"""`StageServer`: one per pipeline stage, serving the requests and gradients sent to it.
+
+A server has one *dispatcher* thread, which receives every message for the stage and turns it
+into state or work, and a pool of *worker* threads that do the work:
+
+- a `Request` becomes a job that claims the stage's turn (`scheduler`) as the next forward call
+  of its micro-batch, runs the module, keeps its outputs for the backward and answers;
+- a `Response` wakes the call that waits for it;
+- `Gradients` join their micro-batch's backlog, and one backward segment runs for everything
+  queued by the time it holds the turn (`gradients`);
+- step control (begin, forward done, release, abort, end) updates the step's state.
+
+A call that waits for another stage keeps its worker (its Python frames live on that thread's
+stack) but gives the turn back, so the stage keeps serving other micro-batches and a module
+calling back into this stage (nested placement) cannot deadlock. No thread ever blocks inside
+autograd: backward segments only post messages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from fractions import Fraction
+from typing import Any
+
+import torch
+from torch import nn
+
+from smpart.errors import PipelineError, SmpartError
+from smpart.runtime import boundary
+from smpart.runtime.ambient import Ambient, capture
+from smpart.runtime.calls import Frame, as_pipeline_error, running
+from smpart.runtime.gradients import CallRecords, Outbox, backpropagate, dispatch, module_of
+from smpart.runtime.messages import (
+    STAGE,
+    Abort,
+    Address,
+    BeginStep,
+    EndStep,
+    Failed,
+    ForwardDone,
+    Gradients,
+    Release,
+    Request,
+    Response,
+    Shutdown,
+    StageReport,
+    driver_endpoint,
+)
+from smpart.runtime.schedule import BACKWARD, FORWARD, Action, schedule_named
+from smpart.runtime.scheduler import NEW, RESUME, SEGMENT, Cancelled, Claim, StageScheduler, TimedOut
+from smpart.runtime.transport import Transport
+
+POLL_S = 0.05
+log = logging.getLogger("smpart.runtime")
+DEBUG = os.environ.get("SMPART_DEBUG", "") not in ("", "0")
+_call_counter = itertools.count()
+
+
+def new_call_id(place: int) -> tuple[int, int]:
+    """Call ids are unique per job: the caller's place and a per-process counter."""
+    return (place, next(_call_counter))
+
+
+def debug(what: str, *args: Any) -> None:
+    if DEBUG:
+        log.warning("[rank %s %s] " + what, os.environ.get("RANK", "-"), threading.current_thread().name,
+                    *args)
+
+
+class Waiter:
+    """A call waiting for its `Response`."""
+
+    __slots__ = ("event", "response", "cancelled")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.response: Response | None = None
+        self.cancelled = False
+
+    def deliver(self, response: Response | None) -> None:
+        self.response = response
+        self.event.set()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.event.set()
+
+    def wait(self, timeout_s: float, what: Callable[[], str], check: Callable[[], None]) -> Response:
+        deadline = time.monotonic() + timeout_s
+        while not self.event.wait(POLL_S):
+            check()
+            if time.monotonic() > deadline:
+                raise TimedOut(what())
+        if self.cancelled:
+            raise Cancelled()
+        assert self.response is not None
+        return self.response
+
+
+class StageStep:
+    """What one stage keeps during one step."""
+
+    def __init__(self, begin: BeginStep, stage: int, num_stages: int) -> None:
+        self.step = begin.step
+        self.microbatches = begin.microbatches
+        self.timeout_s = begin.timeout_s
+        self.coordinator = begin.coordinator
+        self.driver_place = begin.coordinator[0]
+        actions = schedule_named(begin.schedule).actions(stage, num_stages, begin.microbatches,
+                                                          begin.active_microbatches)
+        self.scheduler = StageScheduler(actions)
+        self.requests: dict[int, int] = defaultdict(int)  # forward calls received per micro-batch
+        self.served: dict[int, CallRecords] = defaultdict(dict)  # outputs this stage returned
+        self.sent: dict[int, CallRecords] = defaultdict(dict)  # arguments this stage sent
+        self.waiting: dict[Any, Waiter] = {}
+        self.backlog: dict[int, list[Gradients]] = defaultdict(list)
+        self.segment_queued: set[int] = set()
+        self.released: set[int] = set()
+        self.outbox = Outbox()
+        self.spans: list[tuple[int, str, float, float]] = []
+        self.aborted = False
+        self.lock = threading.Lock()
+
+    def home(self, microbatch: int) -> Address:
+        return (self.driver_place, driver_endpoint(self.step, microbatch))
+
+
+class WorkerPool:
+    """Threads that run jobs; a new one starts whenever every thread is busy (a waiting call keeps
+    its thread), and idle ones are reused, so a steady state starts none."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._idle > 0:
+                self._idle -= 1
+            else:
+                thread = threading.Thread(target=self._loop, name=f"{self._name}-{len(self.threads)}",
+                                          daemon=True)
+                self.threads.append(thread)
+                thread.start()
+            self._jobs.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job()
+            except BaseException:  # noqa: BLE001 - jobs report their own failures; this is a last resort
+                warnings.warn(f"smpart: unexpected error in {threading.current_thread().name}:\n"
+                              f"{traceback.format_exc()}", RuntimeWarning, stacklevel=1)
+            with self._lock:
+                self._idle += 1
+
+    def stop(self, timeout_s: float) -> list[str]:
+        for _ in self.threads:
+            self._jobs.put(None)
+        deadline = time.monotonic() + timeout_s
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return [t.name for t in self.threads if t.is_alive()]
+
+
+class StageServer:
+    """The execution server of pipeline stage ``stage``, living at ``place`` on ``device``."""
+
+    def __init__(self, stage: int, num_stages: int, place: int, device: torch.device,
+                 transport: Transport, place_of_stage: Callable[[int], int], rank: int | None = None) -> None:
+        self.stage = stage
+        self.num_stages = num_stages
+        self.place = place
+        self.device = device
+        self.transport = transport
+        self.place_of_stage = place_of_stage
+        self.rank = rank
+        self.address: Address = (place, STAGE)
+        self.modules: dict[tuple[int, str], nn.Module] = {}
+        self.run: StageStep | None = None
+        self.workers = WorkerPool(f"smpart-stage{stage}")
+        self._stopping = False
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            BeginStep: self._on_begin, Request: self._on_request, Response: self._on_response,
+            Gradients: self._on_gradients, ForwardDone: self._on_forward_done, Release: self._on_release,
+            Abort: self._on_abort, EndStep: self._on_end,
+        }
+        transport.open(self.address)
+        self.thread = threading.Thread(target=self._dispatch_loop, name=f"smpart-stage{stage}", daemon=True)
+        self.thread.start()
+
+    # ================================================================ lifecycle
+    def stop(self, timeout_s: float) -> list[str]:
+        """Stop the dispatcher and every worker; the names of threads still busy after ``timeout_s``."""
+        self.transport.send(self.place, self.address, Shutdown())
+        self.thread.join(timeout_s)
+        stuck = self.workers.stop(timeout_s)
+        self.transport.close(self.address)
+        return stuck + ([self.thread.name] if self.thread.is_alive() else [])
+
+    def send(self, address: Address, message: Any) -> None:
+        self.transport.send(self.place, address, message)
+
+    # ================================================================ the dispatcher
+    def _dispatch_loop(self) -> None:
+        while not self._stopping:
+            try:
+                message = self.transport.receive(self.address, POLL_S)
+            except SmpartError as err:  # the transport failed (a lost rank): fail the running step
+                self._fail_running(err)
+                time.sleep(POLL_S)
+                continue
+            if message is None:
+                continue
+            if isinstance(message, Shutdown):
+                self._stopping = True
+                self._abort_running()
+                return
+            debug("stage %d receives %s", self.stage, _describe(message))
+            try:
+                self._handlers[type(message)](message)
+            except Exception:  # a bug in a handler must not silence the stage
+                warnings.warn(f"smpart: stage {self.stage} failed to handle {type(message).__name__}:\n"
+                              f"{traceback.format_exc()}", RuntimeWarning, stacklevel=1)
+
+    def _live(self, message: Any) -> StageStep | None:
+        run = self.run
+        return run if run is not None and run.step == message.step and not run.aborted else None
+
+    def _on_begin(self, message: BeginStep) -> None:
+        self._abort_running()
+        self.run = StageStep(message, self.stage, self.num_stages)
+
+    def _on_request(self, message: Request) -> None:
+        run = self._live(message)
+        if run is None:
+            return
+        mb = message.microbatch
+        claim = Claim(Action(FORWARD, mb), NEW, run.requests[mb])
+        run.requests[mb] += 1
+        self.workers.submit(lambda: self._serve_call(run, message, claim))
+
+    def _on_response(self, message: Response) -> None:
+        run = self._live(message)
+        waiter = run.waiting.pop(message.call_id, None) if run is not None else None
+        if waiter is not None:
+            waiter.deliver(message)
+
+    def _on_gradients(self, message: Gradients) -> None:
+        run = self._live(message)
+        if run is None or message.microbatch in run.released:
+            return
+        mb = message.microbatch
+        with run.lock:
+            run.backlog[mb].append(message)
+            if mb in run.segment_queued:
+                return
+            run.segment_queued.add(mb)
+        self.workers.submit(lambda: self._run_segment(run, mb))
+
+    def _on_forward_done(self, message: ForwardDone) -> None:
+        run = self._live(message)
+        if run is not None:
+            run.scheduler.forward_over(message.microbatch)
+
+    def _on_release(self, message: Release) -> None:
+        run = self._live(message)
+        if run is not None:
+            mb = message.microbatch
+            run.released.add(mb)
+            run.served.pop(mb, None)
+            run.sent.pop(mb, None)
+            run.scheduler.microbatch_over(mb)
+
+    def _on_abort(self, message: Abort) -> None:
+        run = self.run
+        if run is not None and run.step == message.step:
+            self._abort(run)
+
+    def _on_end(self, message: EndStep) -> None:
+        run = self.run
+        if run is None or run.step != message.step:
+            return
+        self._abort(run)  # nothing of this step may still run or wait
+        self.run = None
+        report = StageReport(message.step, self.stage, list(run.spans),
+                             [str(a) for a in run.scheduler.started_order])
+        self.send(run.coordinator, report)
+
+    def _abort(self, run: StageStep) -> None:
+        run.aborted = True
+        run.scheduler.abort()
+        for waiter in list(run.waiting.values()):
+            waiter.cancel()
+        run.waiting.clear()
+        run.backlog.clear()
+        run.served.clear()
+        run.sent.clear()
+
+    def _abort_running(self) -> None:
+        if self.run is not None:
+            self._abort(self.run)
+
+    def _fail_running(self, err: SmpartError) -> None:
+        run = self.run
+        if run is not None and not run.aborted:
+            self.send(run.coordinator, Failed(run.step, err))
+            self._abort(run)
+
+    # ================================================================ forward calls
+    def _serve_call(self, run: StageStep, request: Request, claim: Claim) -> None:
+        """Run a requested module call and answer it."""
+        mb = request.microbatch
+        try:
+            run.scheduler.acquire(claim, run.timeout_s, lambda: self._describe_wait(run, request.module, mb),
+                                  self.transport.check)
+        except Cancelled:
+            return
+        except (TimedOut, SmpartError) as err:
+            self._answer(run, request, error=PipelineError(str(err), stage=self.stage, module=request.module,
+                                                           microbatch=mb, rank=self.rank))
+            return
+        frame = Frame(self, run.step, mb, run=run, claim=claim, since=time.time())
+        output, error, forwarded = None, None, {}
+        ambient: Ambient = request.ambient
+        try:
+            route = boundary.route_back(request.reply_to, request.call_id, False, request.forwarded)
+            args, kwargs = boundary.arrive_call(request.args, request.kwargs, self.device,
+                                                route if ambient.grad_enabled else None, run.outbox.post)
+            staged = self.modules[(request.model, request.module)].__dict__["forward"]
+            with running(frame), ambient.applied():
+                output = staged.run_here(frame, args, kwargs)
+            what = lambda: f"the output of module {request.module!r} (stage {self.stage})"  # noqa: E731
+            kept, forwarded = boundary.depart(output, ambient.grad_enabled, what)
+            if kept is not None:
+                run.served[mb][request.call_id] = (request.module, kept)
+        except Cancelled:
+            return
+        except Exception as err:
+            output, forwarded = None, {}
+            error = as_pipeline_error(err, self.stage, request.module, mb, rank=self.rank)
+        finally:
+            self._step_out(frame)
+        self._answer(run, request, output, error, forwarded)
+
+    def _answer(self, run: StageStep, request: Request, output: Any = None,
+                error: BaseException | None = None, forwarded: dict | None = None) -> None:
+        if not run.aborted:
+            self.send(request.reply_to, Response(run.step, request.microbatch, request.call_id, output, error,
+                                                 forwarded or {}))
+
+    def call(self, frame: Frame, stage: int, model: int, module: str, args: tuple, kwargs: dict) -> Any:
+        """A module of this stage calls ``module`` on ``stage``: request it, give the turn back, wait."""
+        run: StageStep = frame.run
+        mb = frame.microbatch
+        call_id = new_call_id(self.place)
+        ambient = capture()
+        what = lambda: f"the arguments of module {module!r} (stage {stage})"  # noqa: E731
+        kept, forwarded = boundary.depart_call(args, kwargs, ambient.grad_enabled, what)
+        if kept is not None:
+            run.sent[mb][call_id] = (module, kept)
+        waiter = Waiter()
+        run.waiting[call_id] = waiter
+        self._step_out(frame)
+        callee = (self.place_of_stage(stage), STAGE)
+        self.send(callee, Request(run.step, mb, call_id, self.address, model, module, args, kwargs, ambient,
+                                  forwarded))
+        try:
+            response = waiter.wait(run.timeout_s, lambda: self._describe_wait(run, module, mb, stage),
+                                   lambda: self._check(run))
+        except TimedOut as err:
+            raise PipelineError(str(err), stage=stage, module=module, microbatch=mb, rank=self.rank) from None
+        if response.error is not None:
+            raise response.error
+        route = boundary.route_back(callee, call_id, True, response.forwarded)
+        return boundary.arrive(response.output, self.device, route if ambient.grad_enabled else None,
+                               run.outbox.post)
+
+    def enter_compute(self, frame: Frame) -> None:
+        """A resumed call is about to run a module of this stage: take the turn first."""
+        run: StageStep = frame.run
+        claim = Claim(Action(FORWARD, frame.microbatch), RESUME)
+        try:
+            what = lambda: self._describe_wait(run, None, frame.microbatch)  # noqa: E731
+            run.scheduler.acquire(claim, run.timeout_s, what, self.transport.check)
+        except TimedOut as err:
+            raise PipelineError(str(err), stage=self.stage, microbatch=frame.microbatch,
+                                rank=self.rank) from None
+        frame.claim, frame.since = claim, time.time()
+
+    def _step_out(self, frame: Frame) -> None:
+        """The frame waits for another stage or ends: close its span, give the turn back."""
+        if frame.claim is not None:
+            frame.run.spans.append((frame.microbatch, "forward", frame.since, time.time()))
+            frame.run.scheduler.release(frame.claim)
+            frame.claim = None
+
+    # ================================================================ backward segments
+    def _run_segment(self, run: StageStep, mb: int) -> None:
+        """One backward segment for every gradient message of ``mb`` queued by the time it runs."""
+        claim = Claim(Action(BACKWARD, mb), SEGMENT)
+        try:
+            run.scheduler.acquire(claim, run.timeout_s, lambda: self._describe_wait(run, None, mb),
+                                  self.transport.check)
+        except Cancelled:
+            return
+        except (TimedOut, SmpartError) as err:
+            failure = PipelineError(str(err), stage=self.stage, microbatch=mb, rank=self.rank)
+            self.send(run.coordinator, Failed(run.step, failure))
+            return
+        start = time.time()
+        with run.lock:
+            messages = run.backlog.pop(mb, [])
+            run.segment_queued.discard(mb)
+        credit = sum((m.credit for m in messages), Fraction(0))
+        served, sent = run.served.get(mb, {}), run.sent.get(mb, {})
+        failed = False
+        try:
+            if mb not in run.released:
+                with running(Frame(self, run.step, mb, run=run, claim=claim)):
+                    backpropagate(served, sent, messages)
+        except Exception as err:
+            failed = True
+            failure = as_pipeline_error(err, self.stage, module_of(served, sent, messages), mb, "backward",
+                                        rank=self.rank)
+            self.send(run.coordinator, Failed(run.step, failure))
+        finally:
+            posts = run.outbox.take()
+            run.spans.append((mb, "backward", start, time.time()))
+            run.scheduler.release(claim)
+        if not failed and not run.aborted:
+            dispatch(self.send, posts, credit, run.step, mb, run.home(mb))
+
+    # ================================================================ helpers
+    def _check(self, run: StageStep) -> None:
+        if run.aborted:
+            raise Cancelled()
+        self.transport.check()
+
+    def _describe_wait(self, run: StageStep, module: str | None, mb: int, on: int | None = None) -> str:
+        what = f"module {module!r} on stage {on}" if on is not None else f"its turn on stage {self.stage}"
+        return (f"micro-batch {mb} waited more than {run.timeout_s} s for {what} "
+                f"(a hang, or a module slower than timeout_s)")
+
+
+def _describe(message: Any) -> str:
+    name = type(message).__name__
+    mb = getattr(message, "microbatch", None)
+    module = getattr(message, "module", None)
+    where = f", module={module!r}" if module else ""
+    return f"{name}(step={getattr(message, 'step', '-')}, mb={mb}{where})"

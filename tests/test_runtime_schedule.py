@@ -1,0 +1,195 @@
+"""The schedule is data, and the runtime follows it.
+
+Each stage's list of actions (``F0 F1 B0 ...``) is computed before the step; a real run's
+timeline starts its actions in exactly that order, whatever the thread timing. Micro-batches pass
+every module in order (BatchNorm statistics match an unsplit run), long backward chains do not
+grow any stack, and a stage that a micro-batch never visits (mixture-of-experts routing) passes
+its actions over instead of waiting for them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import smpart
+from smpart.runtime.schedule import Action, schedule_named
+
+
+@pytest.fixture(autouse=True)
+def _clean_runtime():
+    yield
+    smpart.shutdown()
+
+
+def _names(actions):
+    return " ".join(map(str, actions))
+
+
+def test_gpipe_and_1f1b_tables_by_hand():
+    gpipe = schedule_named("simple")
+    assert gpipe.name == "gpipe"
+    assert _names(gpipe.actions(0, 2, 4)) == "F0 F1 F2 F3 B0 B1 B2 B3"
+    one_f = schedule_named("interleaved")
+    assert one_f.name == "1f1b"
+    assert one_f.describe(2, 4) == "stage 0: F0 F1 B0 F2 B1 F3 B2 B3\nstage 1: F0 B0 F1 B1 F2 B2 F3 B3"
+    assert _names(one_f.actions(0, 4, 2)) == "F0 F1 B0 B1"  # fewer micro-batches than warm-up
+    assert _names(one_f.actions(1, 3, 5, active_microbatches=1)) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4"
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,microbatches", [(1, 3), (2, 1), (3, 4), (4, 7)])
+def test_every_action_once_and_each_backward_after_its_forward(name, stages, microbatches):
+    for stage in range(stages):
+        actions = schedule_named(name).actions(stage, stages, microbatches)
+        assert sorted(actions) == sorted([Action(k, i) for k in "FB" for i in range(microbatches)])
+        for i in range(microbatches):
+            assert actions.index(Action("F", i)) < actions.index(Action("B", i))
+
+
+class Chain(nn.Module):
+    def __init__(self, width=8, depth=4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width, dtype=torch.float64) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).tanh()
+        return x
+
+
+@smpart.step
+def train_step(model, x):
+    loss = model(x).square().mean()
+    model.backward(loss)
+    return loss
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_a_real_run_starts_its_actions_in_the_schedules_order(schedule, stages):
+    microbatches = 6
+    pins = {"": 0, **{f"layers.{i}": i for i in range(stages)}}
+    smpart.init(pipeline_parallel_degree=stages, microbatches=microbatches, pipeline=schedule, pin=pins)
+    model = smpart.DistributedModel(Chain(depth=stages))
+    expected = schedule_named(schedule).table(stages, microbatches)
+    for _ in range(3):
+        timeline = train_step(model, torch.randn(12, 8, dtype=torch.float64)).timeline
+        assert timeline.started == {s: [str(a) for a in expected[s]] for s in range(stages)}
+        for stage in range(stages):  # spans, in start order, follow the list too
+            firsts = []
+            for event in sorted(timeline.events, key=lambda e: e["start_s"]):
+                action = ("F" if event["kind"] == "forward" else "B") + str(event["microbatch"])
+                if event["stage"] == stage and action not in firsts:
+                    firsts.append(action)
+            assert firsts == timeline.started[stage]
+
+
+class Routed(nn.Module):
+    """Each micro-batch goes to one of two experts by the sign of its mean: data-dependent routing.
+    The expert a micro-batch skips never sees it: its stage must pass those actions over."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(4, 4, dtype=torch.float64)
+        self.up = nn.Linear(4, 4, dtype=torch.float64)
+        self.down = nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        h = self.gate(x)
+        return self.up(h) if h.mean() > 0 else self.down(h)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_stage_no_micro_batch_visits_passes_its_actions_over(schedule):
+    smpart.init(pipeline_parallel_degree=3, microbatches=4, pipeline=schedule,
+                pin={"": 0, "gate": 0, "up": 1, "down": 2})
+    model = smpart.DistributedModel(Routed())
+    reference = Routed()
+    reference.load_state_dict(model.state_dict())
+    x = torch.cat([torch.full((2, 4), 5.0), torch.full((2, 4), -5.0)] * 2).double()
+    out = train_step(model, x)
+    losses = []
+    for piece in x.chunk(4):
+        loss = reference(piece).square().mean()
+        (loss / 4).backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(out.stack(), torch.stack(losses))
+    grads = dict(model.named_parameters())
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grads[name].grad, param.grad, msg=name)
+    started = out.timeline.started
+    assert len(started[1]) < 8 and len(started[2]) < 8  # each expert saw only some micro-batches
+
+
+class PingPong(nn.Module):
+    """A root on stage 0 alternating ``hops`` times with a module on stage 1: in the backward, a
+    chain of 2 * hops segments, each one posting the next one's gradient."""
+
+    def __init__(self, hops: int):
+        super().__init__()
+        self.local = nn.Linear(4, 4, dtype=torch.float64)
+        self.remote = nn.Linear(4, 4, dtype=torch.float64)
+        self.hops = hops
+
+    def forward(self, x):
+        for _ in range(self.hops):
+            x = self.local(self.remote(x)).tanh()
+        return x
+
+
+@pytest.mark.timeout(60)
+def test_a_long_backward_chain_of_stage_local_segments_matches_the_unsplit_model():
+    # 600 backward segments, each posting the next one's gradient: none may nest in another.
+    smpart.init(pipeline_parallel_degree=2, microbatches=1, pin={"": 0, "local": 0, "remote": 1})
+    model = smpart.DistributedModel(PingPong(hops=300))
+    reference = PingPong(hops=300)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(4, 4, dtype=torch.float64)
+    out = train_step(model, x)
+    expected = reference(x).square().mean()
+    expected.backward()
+    torch.testing.assert_close(out.reduce_mean(), expected.detach())
+    grads = dict(model.named_parameters())
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grads[name].grad, param.grad, atol=1e-9, rtol=1e-7)
+
+
+class NormChain(nn.Module):
+    """A root on stage 0 passing each micro-batch through BatchNorms on stages 1 and 2 and back:
+    forward calls race for those stages, which may run them on the calling thread."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Linear(6, 6, dtype=torch.float64)
+        self.norm1 = nn.BatchNorm1d(6, momentum=0.5, dtype=torch.float64)
+        self.norm2 = nn.BatchNorm1d(6, momentum=0.5, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.norm2(self.mix(self.norm1(self.mix(x))).tanh())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["simple", "interleaved"])
+def test_micro_batches_pass_each_module_in_order(schedule):
+    # BatchNorm's running statistics depend on the order micro-batches pass through it (momentum
+    # 0.5 makes any swap visible); the reference runs them one after the other, unsplit.
+    microbatches = 6
+    smpart.init(pipeline_parallel_degree=3, microbatches=microbatches, pipeline=schedule,
+                pin={"": 0, "mix": 0, "norm1": 1, "norm2": 2})
+    model = smpart.DistributedModel(NormChain())
+    reference = NormChain()
+    reference.load_state_dict(model.state_dict())
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        x = torch.randn(4 * microbatches, 6, dtype=torch.float64, generator=generator)
+        x = x * torch.arange(1, 4 * microbatches + 1, dtype=torch.float64)[:, None]  # unlike micro-batches
+        train_step(model, x)
+        for piece in x.chunk(microbatches):
+            reference(piece)
+    buffers = dict(model.named_buffers())
+    for name, expected in reference.named_buffers():
+        torch.testing.assert_close(buffers[name], expected, atol=1e-12, rtol=0, msg=name)

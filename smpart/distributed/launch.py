@@ -1,10 +1,30 @@
-"""Seeing the launcher: is this process one rank of a ``torchrun`` job?"""
+"""Seeing the launcher and setting up the process groups smpart needs.
+
+Under ``torchrun`` every rank runs the same script; `smpart.init` calls `setup` on every rank.
+It initialises the default process group from the launcher's environment (``env://``) unless the
+user already did (then it is reused and left alone), checks that every rank asked for the same
+configuration and that the world size fits it, picks each rank's device (``LOCAL_RANK``-th GPU
+under NCCL, the CPU under gloo), and makes a gloo group of its own for the process transport
+(its headers always travel on gloo; see `smpart.distributed.transport`).
+
+Ranks are laid out as a ``(pp, dp, tp)`` grid (`Layout`): with ``placement_strategy="cluster"``
+the tensor-parallel ranks of a stage are adjacent (they stay inside one node), with ``"spread"``
+the pipeline stages are (ranks ``r`` and ``r + 1`` belong to different tensor-parallel groups).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from smpart.config import Config
+from smpart.errors import ConfigError
 
 
 def launched_with_processes() -> bool:
@@ -14,5 +34,105 @@ def launched_with_processes() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def process_runtime(config):  # noqa: ANN001, ANN201 - filled in below
-    raise NotImplementedError
+@dataclass(frozen=True)
+class Layout:
+    """Where each (stage, data-parallel replica, tensor-parallel rank) lives."""
+
+    pp: int
+    dp: int
+    tp: int
+    strategy: str = "cluster"
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def rank_of(self, pp: int, dp: int = 0, tp: int = 0) -> int:
+        if self.strategy == "cluster":
+            return (pp * self.dp + dp) * self.tp + tp
+        return (tp * self.dp + dp) * self.pp + pp
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """``(pp, dp, tp)`` of ``rank``."""
+        if self.strategy == "cluster":
+            rest, tp = divmod(rank, self.tp)
+            pp, dp = divmod(rest, self.dp)
+            return pp, dp, tp
+        rest, pp = divmod(rank, self.pp)
+        tp, dp = divmod(rest, self.dp)
+        return pp, dp, tp
+
+
+@dataclass
+class Setup:
+    """What `setup` made: this rank, its device, the transport's group, and what to tear down."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    layout: Layout
+    device: torch.device
+    backend: str
+    transport_group: Any
+    created_default_group: bool
+
+
+def layout_for(config: Config, world_size: int) -> Layout:
+    """The (pp, dp, tp) grid for ``world_size`` processes; dp derived when not given."""
+    pp, tp = config.pipeline_parallel_degree, config.tensor_parallel_degree
+    if world_size % (pp * tp):
+        raise ConfigError(f"the job has {world_size} processes, which is not a multiple of "
+                          f"pipeline_parallel_degree x tensor_parallel_degree = {pp} x {tp} = {pp * tp}; "
+                          f"launch a multiple of {pp * tp} processes (torchrun --nproc-per-node ...)")
+    dp = world_size // (pp * tp)
+    if config.data_parallel_degree is not None and config.data_parallel_degree != dp:
+        need = pp * tp * config.data_parallel_degree
+        raise ConfigError(f"this configuration needs pp x tp x dp = {pp} x {tp} x {config.data_parallel_degree}"
+                          f" = {need} processes, but the job has {world_size}; launch it with "
+                          f"torchrun --nproc-per-node {need} (or leave data_parallel_degree unset)")
+    return Layout(pp, dp, tp, config.placement_strategy)
+
+
+def config_digest(config: Config) -> str:
+    return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def setup(config: Config) -> Setup:
+    """Initialise (or reuse) the default process group and check the job against ``config``."""
+    backend = _backend(config)
+    created = False
+    if not dist.is_initialized():
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend)
+        created = True
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    transport_group = dist.new_group(backend="gloo")
+    _check_same_config(config, rank, transport_group)
+    layout = layout_for(config, world)
+    device = torch.device("cuda", local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return Setup(rank, world, local_rank, layout, device, dist.get_backend(), transport_group, created)
+
+
+def _backend(config: Config) -> str:
+    if dist.is_initialized():
+        return dist.get_backend()
+    if config.backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("backend='nccl' needs CUDA GPUs, and this process sees none; use backend='gloo' "
+                          "(or 'auto') on CPU")
+    if config.backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return config.backend
+
+
+def _check_same_config(config: Config, rank: int, group: Any) -> None:
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, (config_digest(config), config.to_dict()), group=group)
+    mine = digests[rank][0]
+    differ = [r for r, (digest, _) in enumerate(digests) if digest != mine]
+    if differ:
+        ours, theirs = digests[rank][1], digests[differ[0]][1]
+        keys = sorted(k for k in ours if ours[k] != theirs.get(k))
+        raise ConfigError(f"ranks called smpart.init with different configurations: rank {rank} and rank "
+                          f"{differ[0]} differ in {keys}; every rank must pass the same configuration")

@@ -24,7 +24,14 @@ from smpart.errors import PipelineError, SmpartError
 from smpart.runtime import boundary
 from smpart.runtime.ambient import capture
 from smpart.runtime.calls import Frame, as_pipeline_error, running
-from smpart.runtime.gradients import CallRecords, Outbox, backpropagate, dispatch
+from smpart.runtime.gradients import (
+    CallRecords,
+    Outbox,
+    backpropagate,
+    dispatch,
+    grad_mask,
+    restore_requires_grad,
+)
 from smpart.runtime.messages import (
     STAGE,
     Credit,
@@ -122,7 +129,7 @@ class Driver:
             self.sent[call_id] = (module, kept)
         callee = (run.place_of_stage(stage), STAGE)
         run.send(callee, Request(run.step, mb, call_id, self.address, model, module, args, kwargs, ambient,
-                                 forwarded))
+                                 forwarded, grad_mask(kept, forwarded)))
         self.pass_turn()
         deadline = time.monotonic() + run.timeout_s
         what_wait = f"module {module or '<root>'!r} on stage {stage}"
@@ -132,6 +139,7 @@ class Driver:
         if message.error is not None:
             raise message.error
         route = boundary.route_back(callee, call_id, True, message.forwarded)
+        restore_requires_grad(message.output, message.grad_mask)
         route = route if ambient.grad_enabled else None
         return boundary.arrive(message.output, None, route, self.outbox.post)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from smpart.runtime.boundary import walk
 from smpart.runtime.messages import Address, Credit, Gradients
 
 #: call_id -> (module name, kept tensors indexed like the call's tensors; None: no grad needed)
@@ -54,6 +55,30 @@ def dispatch(send: Send, posts: list, credit: Fraction, step: int, microbatch: i
     share = credit / len(posts)
     for (address, call_id, to_outputs), grads in posts:
         send(address, Gradients(step, microbatch, call_id, to_outputs, grads, share))
+
+
+def grad_mask(kept: list | None, forwarded: dict) -> tuple[int, ...]:
+    """Indices of a departing value's tensors that require grad: kept ones and forwarded ones."""
+    kept_indices = [] if kept is None else [i for i, t in enumerate(kept) if t is not None]
+    return tuple(sorted({*kept_indices, *forwarded}))
+
+
+def restore_requires_grad(value: Any, mask: tuple[int, ...]) -> None:
+    """Tensors that crossed a process boundary arrive as leaves that do not require grad: mark
+    those the sender's did (on threads they are the sender's own tensors and already do)."""
+    if not mask:
+        return
+    wanted = set(mask)
+    index = 0
+
+    def visit(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal index
+        if index in wanted and not tensor.requires_grad and tensor.is_floating_point() | tensor.is_complex():
+            tensor.requires_grad_(True)
+        index += 1
+        return tensor
+
+    walk(value, visit)
 
 
 def backpropagate(served: CallRecords, sent: CallRecords, messages: list[Gradients]) -> None:

@@ -53,6 +53,8 @@ class Request:
     ambient: Any
     #: Tensor index -> route, for arguments passed on unchanged (see `boundary.depart`).
     forwarded: dict = field(default_factory=dict)
+    #: Indices of the tensors that require grad on the sending side (a pickled tensor loses it).
+    grad_mask: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -65,6 +67,7 @@ class Response:
     output: Any = None
     error: BaseException | None = None
     forwarded: dict = field(default_factory=dict)
+    grad_mask: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -140,7 +143,8 @@ class StageReport:
     stage: int
     spans: list[tuple[int, str, float, float]] = field(default_factory=list)
     started: list[str] = field(default_factory=list)
-    clock_offset: float = 0.0
+    #: ``(this stage, other stage) -> bytes`` of tensors this stage's place sent during the step.
+    bytes_sent: dict[tuple[int, int], int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -164,3 +168,31 @@ class Failed:
 @dataclass(slots=True)
 class Shutdown:
     """Stop the receiving endpoint."""
+
+
+@dataclass(slots=True)
+class PlaceModel:
+    """Processes: the driver traced and partitioned model ``model``; place it and acknowledge."""
+
+    model: int
+    partition: Any
+    reply_to: Address
+
+
+@dataclass(slots=True)
+class Placed:
+    """A rank placed model ``model`` (``error``: it could not)."""
+
+    model: int
+    rank: int
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Processes: what the step returned on the driver's rank, for every other rank's call."""
+
+    step: int
+    results: Any = None
+    timeline: Any = None
+    error: BaseException | None = None

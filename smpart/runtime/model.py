@@ -8,6 +8,7 @@ its first call inside a step; calls made outside a step run the model inline lik
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -20,6 +21,11 @@ from smpart.runtime.calls import current_frame
 from smpart.runtime.driver import Driver
 
 _model_ids = itertools.count()
+_models: weakref.WeakValueDictionary[int, DistributedModel] = weakref.WeakValueDictionary()
+
+
+def model_by_id(model_id: int) -> DistributedModel | None:
+    return _models.get(model_id)
 
 
 class DistributedModel:
@@ -33,6 +39,7 @@ class DistributedModel:
         self.module = module
         #: Models are numbered in creation order: every rank builds them in the same order.
         self.model_id = next(_model_ids)
+        _models[self.model_id] = self
         self._partition: Partition | None = None
         self._runtime: Any = None
 
@@ -77,13 +84,37 @@ class DistributedModel:
     def modules(self) -> Iterator[nn.Module]:
         return self.module.modules()
 
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's own entries (its stage's), on their device; on threads, every entry."""
+        return {k: v for k, v in self.module.state_dict(keep_vars=False).items() if v.device.type != "meta"}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full, unsplit state dict (every tensor on the CPU) that the plain model loads."""
-        return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+        """The full, unsplit state dict (every tensor on the CPU) that the plain model loads.
+
+        Under ``torchrun`` this is collective: every rank must call it, and every rank gets the
+        whole dict (each rank contributes its own stage's entries)."""
+        local = {k: v.detach().cpu() for k, v in self.local_state_dict().items()}
+        group = getattr(self._runtime, "state_group", None)
+        if group is None:
+            return local
+        gathered: list[Any] = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(gathered, local, group=group)
+        order = list(self.module.state_dict(keep_vars=True))
+        merged = {k: v for part in gathered for k, v in part.items()}
+        return {k: merged[k] for k in order if k in merged}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
-        """Load a full state dict (from the plain model or `state_dict`); tensors land on their stage."""
-        return self.module.load_state_dict(state_dict, strict=strict)
+        """Load a full state dict (from the plain model or `state_dict`); every rank takes its own
+        entries (those of other stages are not held here), which land on their stage's device."""
+        held = set(self.local_state_dict())
+        every = set(self.module.state_dict(keep_vars=True))
+        if strict:
+            missing, unexpected = sorted(every - set(state_dict)), sorted(set(state_dict) - every)
+            if missing or unexpected:
+                raise SmpartError(f"load_state_dict: missing keys {missing[:10]}, unexpected keys "
+                                  f"{unexpected[:10]}; is it a state dict of this model?")
+        mine = {k: v for k, v in state_dict.items() if k in held}
+        return self.module.load_state_dict(mine, strict=False)
 
     def train(self, mode: bool = True) -> DistributedModel:
         self.module.train(mode)

@@ -74,6 +74,67 @@ def place(model: nn.Module, model_id: int, partition: Partition, servers: list[S
         server.modules[(model_id, name)] = module
 
 
+def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server: StageServer) -> int:
+    """Processes: route every module's calls to its stage; keep this rank's modules (materialised on
+    its device if they were built on the meta device) and release every other stage's tensors to the
+    meta device, so a rank holds only its own stage. Returns the parameter bytes kept here."""
+    stages = module_stages(model, partition)
+    mine = {name for name, stage in stages.items() if stage == server.stage}
+    kept = 0
+    seen: set[int] = set()
+    for name, module in model.named_modules():  # own modules first: a tied weight is kept, not released
+        if name in mine:
+            kept += _materialise_own_tensors(module, server.device, seen)
+            server.modules[(model_id, name)] = module
+    for name, module in model.named_modules():
+        if name not in mine:
+            _release_own_tensors(module, seen)
+        install(module, model_id, name, stages[name])
+    return kept
+
+
+def _materialise_own_tensors(module: nn.Module, device: torch.device, seen: set[int]) -> int:
+    """Move (or, from meta, allocate and re-initialise) a module's own tensors on ``device``."""
+    size = 0
+    fresh = False
+    for param in module.parameters(recurse=False):
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        size += param.numel() * param.element_size()
+        if param.device.type == "meta":
+            fresh = True
+            torch.utils.swap_tensors(param, nn.Parameter(torch.empty(param.shape, dtype=param.dtype,
+                                                                     device=device), param.requires_grad))
+        elif param.device != device:
+            param.data = param.data.to(device)
+    for key, buffer in module._buffers.items():
+        if buffer is not None and buffer.device != device:
+            fresh |= buffer.device.type == "meta"
+            module._buffers[key] = (torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+                                    if buffer.device.type == "meta" else buffer.to(device))
+    if fresh and hasattr(module, "reset_parameters"):
+        with torch.no_grad():
+            module.reset_parameters()
+    return size
+
+
+def _release_own_tensors(module: nn.Module, seen: set[int]) -> None:
+    for name, param in list(module._parameters.items()):
+        if param is None or id(param) in seen or param.device.type == "meta":
+            continue
+        seen.add(id(param))
+        meta = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+        try:  # the same object turns meta, so an optimizer holding it sees a parameter with no grad
+            torch.utils.swap_tensors(param, meta)
+        except RuntimeError:  # autograd still references it (traced with its own weights): replace it,
+            module._parameters[name] = meta  # and free the old one's storage under the optimizer's feet
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    for key, buffer in module._buffers.items():
+        if buffer is not None:
+            module._buffers[key] = torch.empty_like(buffer, device="meta")
+
+
 def unplace(model: nn.Module, servers: list[StageServer]) -> None:
     """Undo `place`'s routing (tensors stay where they are)."""
     for module in model.modules():

@@ -59,11 +59,6 @@ class Runtime:
     def place_of_stage(self, stage: int) -> int:
         return stage
 
-    def stage_bytes(self, before: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:
-        """Tensor bytes sent between stages since ``before`` (a copy of ``transport.bytes_sent``)."""
-        now = self.transport.bytes_sent
-        return {key: now[key] - before.get(key, 0) for key in list(now) if now[key] > before.get(key, 0)}
-
     def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]]) -> tuple[list[Any], Any]:
         if getattr(_in_step, "active", False):
             raise SmpartError("an @smpart.step function was called inside another step (or from a module "
@@ -113,10 +108,12 @@ def init(config: Config | dict[str, Any] | None = None, **kwargs: Any) -> Config
     global _runtime
     cfg = Config.from_any(config, **kwargs)
     shutdown()
-    from smpart.distributed.launch import launched_with_processes, process_runtime
+    from smpart.distributed.launch import launched_with_processes
 
     if launched_with_processes():
-        _runtime = process_runtime(cfg)
+        from smpart.runtime.processes import ProcessRuntime
+
+        _runtime = ProcessRuntime(cfg)  # type: ignore[assignment]
         return cfg
     if cfg.tensor_parallel_degree != 1 or (cfg.data_parallel_degree or 1) != 1:
         raise ConfigError("on threads (no torchrun) smpart runs pipeline parallelism only: "

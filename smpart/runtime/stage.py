@@ -38,7 +38,15 @@ from smpart.errors import PipelineError, SmpartError
 from smpart.runtime import boundary
 from smpart.runtime.ambient import Ambient, capture
 from smpart.runtime.calls import Frame, as_pipeline_error, running
-from smpart.runtime.gradients import CallRecords, Outbox, backpropagate, dispatch, module_of
+from smpart.runtime.gradients import (
+    CallRecords,
+    Outbox,
+    backpropagate,
+    dispatch,
+    grad_mask,
+    module_of,
+    restore_requires_grad,
+)
 from smpart.runtime.messages import (
     STAGE,
     Abort,
@@ -126,6 +134,7 @@ class StageStep:
         self.segment_queued: set[int] = set()
         self.released: set[int] = set()
         self.outbox = Outbox()
+        self.bytes_before: dict[tuple[int, int], int] = {}
         self.spans: list[tuple[int, str, float, float]] = []
         self.aborted = False
         self.lock = threading.Lock()
@@ -245,6 +254,7 @@ class StageServer:
     def _on_begin(self, message: BeginStep) -> None:
         self._abort_running()
         self.run = StageStep(message, self.stage, self.num_stages)
+        self.run.bytes_before = dict(self.transport.bytes_sent)
 
     def _on_request(self, message: Request) -> None:
         run = self._live(message)
@@ -299,7 +309,7 @@ class StageServer:
         self._abort(run)  # nothing of this step may still run or wait
         self.run = None
         report = StageReport(message.step, self.stage, list(run.spans),
-                             [str(a) for a in run.scheduler.started_order])
+                             [str(a) for a in run.scheduler.started_order], self._bytes_since(run.bytes_before))
         self.send(run.coordinator, report)
 
     def _abort(self, run: StageStep) -> None:
@@ -336,10 +346,12 @@ class StageServer:
                                                            microbatch=mb, rank=self.rank))
             return
         frame = Frame(self, run.step, mb, run=run, claim=claim, since=time.time())
-        output, error, forwarded = None, None, {}
+        output, error, forwarded, mask = None, None, {}, ()
         ambient: Ambient = request.ambient
         try:
             route = boundary.route_back(request.reply_to, request.call_id, False, request.forwarded)
+            restore_requires_grad((request.args, request.kwargs) if request.kwargs else request.args,
+                                  request.grad_mask)
             args, kwargs = boundary.arrive_call(request.args, request.kwargs, self.device,
                                                 route if ambient.grad_enabled else None, run.outbox.post)
             staged = self.modules[(request.model, request.module)].__dict__["forward"]
@@ -347,22 +359,24 @@ class StageServer:
                 output = staged.run_here(frame, args, kwargs)
             what = lambda: f"the output of module {request.module!r} (stage {self.stage})"  # noqa: E731
             kept, forwarded = boundary.depart(output, ambient.grad_enabled, what)
+            mask = grad_mask(kept, forwarded)
             if kept is not None:
                 run.served[mb][request.call_id] = (request.module, kept)
         except Cancelled:
             return
         except Exception as err:
-            output, forwarded = None, {}
+            output, forwarded, mask = None, {}, ()
             error = as_pipeline_error(err, self.stage, request.module, mb, rank=self.rank)
         finally:
             self._step_out(frame)
-        self._answer(run, request, output, error, forwarded)
+        self._answer(run, request, output, error, forwarded, mask)
 
     def _answer(self, run: StageStep, request: Request, output: Any = None,
-                error: BaseException | None = None, forwarded: dict | None = None) -> None:
+                error: BaseException | None = None, forwarded: dict | None = None,
+                mask: tuple[int, ...] = ()) -> None:
         if not run.aborted:
             self.send(request.reply_to, Response(run.step, request.microbatch, request.call_id, output, error,
-                                                 forwarded or {}))
+                                                 forwarded or {}, mask))
 
     def call(self, frame: Frame, stage: int, model: int, module: str, args: tuple, kwargs: dict) -> Any:
         """A module of this stage calls ``module`` on ``stage``: request it, give the turn back, wait."""
@@ -379,7 +393,7 @@ class StageServer:
         self._step_out(frame)
         callee = (self.place_of_stage(stage), STAGE)
         self.send(callee, Request(run.step, mb, call_id, self.address, model, module, args, kwargs, ambient,
-                                  forwarded))
+                                  forwarded, grad_mask(kept, forwarded)))
         try:
             response = waiter.wait(run.timeout_s, lambda: self._describe_wait(run, module, mb, stage),
                                    lambda: self._check(run))
@@ -388,6 +402,7 @@ class StageServer:
         if response.error is not None:
             raise response.error
         route = boundary.route_back(callee, call_id, True, response.forwarded)
+        restore_requires_grad(response.output, response.grad_mask)
         return boundary.arrive(response.output, self.device, route if ambient.grad_enabled else None,
                                run.outbox.post)
 
@@ -447,6 +462,17 @@ class StageServer:
             dispatch(self.send, posts, credit, run.step, mb, run.home(mb))
 
     # ================================================================ helpers
+    def _bytes_since(self, before: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:
+        """Tensor bytes this stage's place sent to each other stage since ``before``."""
+        stage_of = {self.place_of_stage(s): s for s in range(self.num_stages)}
+        sent: dict[tuple[int, int], int] = {}
+        for (src, dst), total in list(self.transport.bytes_sent.items()):
+            size = total - before.get((src, dst), 0)
+            if src == self.place and size > 0 and dst in stage_of:
+                key = (self.stage, stage_of[dst])
+                sent[key] = sent.get(key, 0) + size
+        return sent
+
     def _check(self, run: StageStep) -> None:
         if run.aborted:
             raise Cancelled()

@@ -74,7 +74,6 @@ class StepRun:
     def execute(self) -> tuple[list[Any], Timeline]:
         self.transport.open(self.address)
         start = time.time()
-        bytes_before = dict(self.transport.bytes_sent)
         self.broadcast(BeginStep(self.step, self.microbatches, self.schedule, self.active_microbatches,
                                  self.timeout_s, self.address))
         threads: list[threading.Thread] = []
@@ -86,7 +85,7 @@ class StepRun:
         finally:
             for thread in threads:
                 thread.join(self.timeout_s)
-            timeline = self._end(start, time.time() - start, bytes_before)
+            timeline = self._end(start, time.time() - start)
             self.transport.close(self.address)
         if failures:  # several micro-batches may fail at once: report the earliest one
             raise min(failures, key=lambda e: _microbatch_of(e, self.microbatches))
@@ -137,7 +136,7 @@ class StepRun:
         self.aborted.set()
         self.broadcast(Abort(self.step))
 
-    def _end(self, start: float, duration: float, bytes_before: dict) -> Timeline:
+    def _end(self, start: float, duration: float) -> Timeline:
         self.broadcast(EndStep(self.step))
         reports: dict[int, StageReport] = {}
         deadline = time.monotonic() + min(self.timeout_s, 10.0)
@@ -149,7 +148,8 @@ class StepRun:
         timeline = Timeline.from_spans(spans, start, duration, self.num_stages, self.schedule,
                                        self.microbatches)
         timeline.started = {stage: report.started for stage, report in reports.items()}
-        timeline.bytes_sent = self.runtime.stage_bytes(bytes_before)
+        timeline.bytes_sent = {pair: size for report in reports.values()
+                               for pair, size in report.bytes_sent.items() if size}
         return timeline
 
 

@@ -1,0 +1,281 @@
+"""One process per stage: the runtime under ``torchrun``.
+
+Every rank runs the user's script (SPMD). `ProcessRuntime` hosts this rank's stage server; the
+rank of the first stage also runs the step body (drivers and coordinator, as on threads). The
+other ranks, inside the same ``train_step(...)`` call, wait on their ``MAIN`` address while
+their stage server serves requests in the background; the driver's rank ends each step by
+sending them a `StepResult`, so every rank's call returns the same `StepOutput` (or raises the
+same error).
+
+Placement happens once, on the driver's rank, at the model's first call: it traces and
+partitions (on the meta device where it can), sends the `Partition` to every rank in a
+`PlaceModel` message and waits until all have placed it. Each rank keeps its own stage's
+modules and releases the others' tensors to the meta device.
+
+`RoutedTransport` puts the runtime's ``(place, endpoint)`` addresses on top of the rank-to-rank
+`smpart.distributed.transport.ProcessTransport`: a router thread per rank hands each arriving
+message to the queue of its endpoint; messages between endpoints of one rank never leave it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from smpart.config import Config
+from smpart.distributed.launch import Setup, setup
+from smpart.distributed.transport import ProcessTransport
+from smpart.errors import PipelineError, SmpartError
+from smpart.runtime.messages import MAIN, STAGE, Address, Placed, PlaceModel, StepResult
+from smpart.runtime.placement import make_partition, pins_for, place_on_rank, unplace
+from smpart.runtime.stage import POLL_S, StageServer
+from smpart.runtime.step_run import StepRun
+from smpart.runtime.transport import Transport
+
+if TYPE_CHECKING:
+    from smpart.runtime.model import DistributedModel
+
+_placements = itertools.count()
+
+
+class RoutedTransport(Transport):
+    """``(place, endpoint)`` addresses over a rank-to-rank `ProcessTransport` (place = rank)."""
+
+    def __init__(self, inner: ProcessTransport, rank: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.rank = rank
+        self._queues: dict[Any, queue.SimpleQueue] = {}
+        self._lock = threading.Lock()
+        self._failure: BaseException | None = None
+        self._stopping = False
+        self.open((rank, MAIN))
+        self.open((rank, STAGE))
+        self._router = threading.Thread(target=self._route_loop, name=f"smpart-router-{rank}", daemon=True)
+        self._router.start()
+
+    @property  # type: ignore[override]
+    def bytes_sent(self) -> dict[tuple[int, int], int]:
+        return self.inner.bytes_sent
+
+    @bytes_sent.setter
+    def bytes_sent(self, value: Any) -> None:  # the base class initialises it; the inner one counts
+        pass
+
+    def open(self, address: Address) -> None:
+        with self._lock:
+            self._queues.setdefault(address[1], queue.SimpleQueue())
+
+    def close(self, address: Address) -> None:
+        if address[1] not in (MAIN, STAGE):
+            with self._lock:
+                self._queues.pop(address[1], None)
+
+    def local(self, place: int) -> bool:
+        return place == self.rank
+
+    def send(self, src: int, address: Address, message: Any) -> None:
+        place, endpoint = address
+        if place == self.rank:
+            self._deliver(endpoint, message)
+        else:
+            self.inner.send(place, (endpoint, message))
+
+    def receive(self, address: Address, timeout: float) -> Any | None:
+        inbox = self._queues.get(address[1])
+        if inbox is None:
+            raise KeyError(f"no open address {address!r}")
+        try:
+            return inbox.get(timeout=timeout) if timeout > 0 else inbox.get_nowait()
+        except queue.Empty:
+            self.check()
+            return None
+
+    def check(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._router.join(5.0)
+        self.inner.close()
+
+    def _deliver(self, endpoint: Any, message: Any) -> None:
+        inbox = self._queues.get(endpoint)
+        if inbox is not None:
+            inbox.put(message)
+
+    def _route_loop(self) -> None:
+        while not self._stopping:
+            try:
+                item = self.inner.receive(self.rank, POLL_S)
+            except SmpartError as err:  # a lost peer: every later wait raises it
+                self._failure = err
+                return
+            if item is not None:
+                self._deliver(*item)
+
+
+class ProcessRuntime:
+    """This rank's stage server, and the step body when this rank runs the first stage."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.setup: Setup = setup(config)
+        layout = self.setup.layout
+        if layout.tp != 1 or layout.dp != 1:
+            raise SmpartError("tensor and data parallelism are not wired into the process runtime yet: run "
+                              f"pipeline_parallel_degree = world size ({self.setup.world_size})")
+        self.rank = self.setup.rank
+        self.layout = layout
+        self.num_stages = layout.pp
+        self.stage, self.dp_rank, self.tp_rank = layout.coordinates(self.rank)
+        self.driver_place = self.place_of_stage(0)
+        self.is_driver = self.rank == self.driver_place
+        inner = ProcessTransport(self.rank, self.setup.world_size, self.setup.transport_group,
+                                 timeout_s=config.timeout_s)
+        self.transport = RoutedTransport(inner, self.rank)
+        self.server = StageServer(self.stage, self.num_stages, self.rank, self.setup.device, self.transport,
+                                  self.place_of_stage, rank=self.rank)
+        self.servers = [self.server]
+        #: The group `DistributedModel.state_dict` gathers over.
+        self.state_group = self.setup.transport_group
+        self.steps = itertools.count()
+        self.models: dict[int, DistributedModel] = {}
+        self.resident_bytes: dict[int, int] = {}
+        self._place_lock = threading.Lock()
+        self._step_lock = threading.Lock()
+
+    def place_of_stage(self, stage: int) -> int:
+        return self.layout.rank_of(stage, self.dp_rank, 0)
+
+    # ================================================================ steps
+    def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]]) -> tuple[list[Any], Any]:
+        from smpart.runtime.runtime import _in_step
+
+        if getattr(_in_step, "active", False):
+            raise SmpartError("an @smpart.step function was called inside another step; steps do not nest")
+        with self._step_lock:
+            _in_step.active = True
+            try:
+                step = next(self.steps)
+                return self._drive(step, fn, pieces) if self.is_driver else self._follow(step)
+            finally:
+                _in_step.active = False
+
+    def _drive(self, step: int, fn: Callable, pieces: list[tuple[tuple, dict]]) -> tuple[list[Any], Any]:
+        error: BaseException | None = None
+        results = timeline = None
+        try:
+            results, timeline = StepRun(self, step, fn, pieces).execute()
+        except BaseException as err:
+            error = err
+            raise
+        finally:
+            for stage in range(1, self.num_stages):
+                self.transport.send(self.rank, (self.place_of_stage(stage), MAIN),
+                                    StepResult(step, results, timeline, _shippable(error)))
+        return results, timeline
+
+    def _follow(self, step: int) -> tuple[list[Any], Any]:
+        """Serve (in the stage server's threads) until the driver's rank says the step is over."""
+        deadline = time.monotonic() + self.config.timeout_s
+        while time.monotonic() < deadline:
+            message = self.transport.receive((self.rank, MAIN), POLL_S)
+            if isinstance(message, PlaceModel):
+                self._place_here(message)
+            elif isinstance(message, StepResult):
+                if message.step != step:
+                    raise SmpartError(f"rank {self.rank} is at step {step} but the driver's rank finished step "
+                                      f"{message.step}: every rank must call the step function the same "
+                                      "number of times")
+                if message.error is not None:
+                    raise message.error
+                return message.results, message.timeline
+        raise PipelineError(f"rank {self.rank} waited more than {self.config.timeout_s} s for step {step} to end",
+                            rank=self.rank)
+
+    # ================================================================ placement
+    def ensure_placed(self, model: DistributedModel, args: tuple, kwargs: dict) -> None:
+        """On the driver's rank, at the model's first call: partition, send it to every rank, place."""
+        if model._runtime is self:
+            return
+        with self._place_lock:
+            if model._runtime is self:
+                return
+            from smpart.runtime.runtime import _module_pins
+
+            partition = model._partition
+            if partition is None or partition.num_stages != self.num_stages:
+                pins = pins_for(model.module, self.config.pin, dict(_module_pins.items()))
+                partition = make_partition(model.module, args, kwargs, self.config, pins)
+            reply_to = (self.rank, ("placed", next(_placements)))
+            self.transport.open(reply_to)
+            try:
+                for stage in range(1, self.num_stages):
+                    self.transport.send(self.rank, (self.place_of_stage(stage), MAIN),
+                                        PlaceModel(model.model_id, partition, reply_to))
+                self._place(model, partition)
+                self._await_placed(reply_to, model.model_id)
+            finally:
+                self.transport.close(reply_to)
+
+    def _await_placed(self, reply_to: Address, model_id: int) -> None:
+        waiting = self.num_stages - 1
+        deadline = time.monotonic() + self.config.timeout_s
+        while waiting:
+            message = self.transport.receive(reply_to, POLL_S)
+            if isinstance(message, Placed) and message.model == model_id:
+                if message.error is not None:
+                    raise message.error
+                waiting -= 1
+            if time.monotonic() > deadline:
+                raise SmpartError(f"{waiting} rank(s) did not place the model within {self.config.timeout_s} s: "
+                                  "do all ranks call the step function?")
+
+    def _place_here(self, message: PlaceModel) -> None:
+        from smpart.runtime.model import model_by_id
+
+        error: BaseException | None = None
+        try:
+            model = model_by_id(message.model)
+            if model is None:
+                raise SmpartError(f"rank {self.rank} has no DistributedModel #{message.model}: every rank must "
+                                  "create the same DistributedModels in the same order")
+            model._partition = message.partition
+            self._place(model, message.partition)
+        except SmpartError as err:
+            error = err
+        self.transport.send(self.rank, message.reply_to, Placed(message.model, self.rank, error))
+        if error is not None:
+            raise error
+
+    def _place(self, model: DistributedModel, partition: Any) -> None:
+        self.resident_bytes[model.model_id] = place_on_rank(model.module, model.model_id, partition, self.server)
+        model._partition = partition
+        model._runtime = self
+        self.models[model.model_id] = model
+
+    # ================================================================ the end
+    def shutdown(self, timeout_s: float = 10.0) -> list[str]:
+        for model in list(self.models.values()):
+            unplace(model.module, self.servers)
+            model._runtime = None
+        stuck = self.server.stop(timeout_s)
+        self.transport.shutdown()
+        if self.setup.created_default_group and dist.is_initialized():
+            dist.destroy_process_group()
+        return stuck
+
+
+def _shippable(error: BaseException | None) -> BaseException | None:
+    """The error as the other ranks should see it (a `SmpartError`; the cause's text goes with it)."""
+    if error is None or isinstance(error, SmpartError):
+        return error
+    return PipelineError(f"the step failed on rank 0: {type(error).__name__}: {error}")

@@ -87,7 +87,8 @@ def layout_for(config: Config, world_size: int) -> Layout:
     dp = world_size // (pp * tp)
     if config.data_parallel_degree is not None and config.data_parallel_degree != dp:
         need = pp * tp * config.data_parallel_degree
-        raise ConfigError(f"this configuration needs pp x tp x dp = {pp} x {tp} x {config.data_parallel_degree}"
+        dp_asked = config.data_parallel_degree
+        raise ConfigError(f"this configuration needs pp x tp x dp = {pp} x {tp} x {dp_asked}"
                           f" = {need} processes, but the job has {world_size}; launch it with "
                           f"torchrun --nproc-per-node {need} (or leave data_parallel_degree unset)")
     return Layout(pp, dp, tp, config.placement_strategy)
@@ -98,7 +99,13 @@ def config_digest(config: Config) -> str:
 
 
 def setup(config: Config) -> Setup:
-    """Initialise (or reuse) the default process group and check the job against ``config``."""
+    """Initialise (or reuse) the default process group and check the job against ``config``.
+
+    A default group smpart initialised lives until the interpreter exits (`teardown`, called
+    after smpart's own shutdown at exit),
+    not until `smpart.shutdown`: initialising a second default group in one process would meet
+    the first one's rendezvous keys in the launcher's store. Each `setup` makes a new transport
+    group instead, so ``init`` -> ``shutdown`` -> ``init`` starts clean."""
     backend = _backend(config)
     created = False
     if not dist.is_initialized():
@@ -113,6 +120,12 @@ def setup(config: Config) -> Setup:
     layout = layout_for(config, world)
     device = torch.device("cuda", local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     return Setup(rank, world, local_rank, layout, device, dist.get_backend(), transport_group, created)
+
+
+def teardown() -> None:
+    """Destroy the default process group smpart initialised (at interpreter exit)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _backend(config: Config) -> str:

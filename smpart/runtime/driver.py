@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from smpart.errors import PipelineError, SmpartError
-from smpart.runtime import boundary
+from smpart.runtime import boundary, carried
 from smpart.runtime.ambient import capture
 from smpart.runtime.calls import Frame, as_pipeline_error, running
 from smpart.runtime.gradients import (
@@ -128,8 +128,11 @@ class Driver:
         if kept is not None:
             self.sent[call_id] = (module, kept)
         callee = (run.place_of_stage(stage), STAGE)
-        run.send(callee, Request(run.step, mb, call_id, self.address, model, module, args, kwargs, ambient,
-                                 forwarded, grad_mask(kept, forwarded)))
+        remote = not run.transport.local(callee[0])
+        (sent_args, sent_kwargs), originals = (carried.pack_call((args, kwargs)) if remote
+                                               else ((args, kwargs), []))
+        run.send(callee, Request(run.step, mb, call_id, self.address, model, module, sent_args, sent_kwargs,
+                                 ambient, forwarded, grad_mask(kept, forwarded), bool(originals)))
         self.pass_turn()
         deadline = time.monotonic() + run.timeout_s
         what_wait = f"module {module or '<root>'!r} on stage {stage}"
@@ -139,9 +142,12 @@ class Driver:
         if message.error is not None:
             raise message.error
         route = boundary.route_back(callee, call_id, True, message.forwarded)
-        restore_requires_grad(message.output, message.grad_mask)
+        output = message.output
+        if remote:
+            output = carried.unpack_answer(output, message.carried, originals, None)
+        restore_requires_grad(output, message.grad_mask)
         route = route if ambient.grad_enabled else None
-        return boundary.arrive(message.output, None, route, self.outbox.post)
+        return boundary.arrive(output, None, route, self.outbox.post)
 
     # ================================================================ backward
     def backward(self, loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:

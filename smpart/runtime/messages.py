@@ -55,6 +55,8 @@ class Request:
     forwarded: dict = field(default_factory=dict)
     #: Indices of the tensors that require grad on the sending side (a pickled tensor loses it).
     grad_mask: tuple[int, ...] = ()
+    #: Carried state (caches) was packed for another process: unpack it, and answer with copies.
+    carried: bool = False
 
 
 @dataclass(slots=True)
@@ -68,6 +70,8 @@ class Response:
     error: BaseException | None = None
     forwarded: dict = field(default_factory=dict)
     grad_mask: tuple[int, ...] = ()
+    #: Snapshots of the carried objects of the call's arguments, as the callee left them.
+    carried: list = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -163,6 +167,13 @@ class Failed:
 
     step: int
     error: BaseException
+
+
+@dataclass(slots=True)
+class Armed:
+    """Local only: this rank's main thread entered ``step`` (see `StageServer.arm`)."""
+
+    step: int
 
 
 @dataclass(slots=True)

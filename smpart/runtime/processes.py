@@ -20,13 +20,12 @@ message to the queue of its endpoint; messages between endpoints of one rank nev
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-
-import torch.distributed as dist
 
 from smpart.config import Config
 from smpart.distributed.launch import Setup, setup
@@ -143,6 +142,8 @@ class ProcessRuntime:
         self.transport = RoutedTransport(inner, self.rank)
         self.server = StageServer(self.stage, self.num_stages, self.rank, self.setup.device, self.transport,
                                   self.place_of_stage, rank=self.rank)
+        if self.is_driver:
+            self.server.armed = math.inf  # its main thread is the step's coordinator
         self.servers = [self.server]
         #: The group `DistributedModel.state_dict` gathers over.
         self.state_group = self.setup.transport_group
@@ -185,6 +186,7 @@ class ProcessRuntime:
 
     def _follow(self, step: int) -> tuple[list[Any], Any]:
         """Serve (in the stage server's threads) until the driver's rank says the step is over."""
+        self.server.arm(step)
         deadline = time.monotonic() + self.config.timeout_s
         while time.monotonic() < deadline:
             message = self.transport.receive((self.rank, MAIN), POLL_S)
@@ -192,14 +194,14 @@ class ProcessRuntime:
                 self._place_here(message)
             elif isinstance(message, StepResult):
                 if message.step != step:
-                    raise SmpartError(f"rank {self.rank} is at step {step} but the driver's rank finished step "
-                                      f"{message.step}: every rank must call the step function the same "
+                    raise SmpartError(f"rank {self.rank} is at step {step} but the driver's rank finished "
+                                      f"step {message.step}: every rank must call the step function the same "
                                       "number of times")
                 if message.error is not None:
                     raise message.error
                 return message.results, message.timeline
-        raise PipelineError(f"rank {self.rank} waited more than {self.config.timeout_s} s for step {step} to end",
-                            rank=self.rank)
+        raise PipelineError(f"rank {self.rank} waited more than {self.config.timeout_s} s for step {step} to "
+                            "end", rank=self.rank)
 
     # ================================================================ placement
     def ensure_placed(self, model: DistributedModel, args: tuple, kwargs: dict) -> None:
@@ -236,8 +238,8 @@ class ProcessRuntime:
                     raise message.error
                 waiting -= 1
             if time.monotonic() > deadline:
-                raise SmpartError(f"{waiting} rank(s) did not place the model within {self.config.timeout_s} s: "
-                                  "do all ranks call the step function?")
+                raise SmpartError(f"{waiting} rank(s) did not place the model within {self.config.timeout_s} "
+                                  "s: do all ranks call the step function?")
 
     def _place_here(self, message: PlaceModel) -> None:
         from smpart.runtime.model import model_by_id
@@ -246,8 +248,8 @@ class ProcessRuntime:
         try:
             model = model_by_id(message.model)
             if model is None:
-                raise SmpartError(f"rank {self.rank} has no DistributedModel #{message.model}: every rank must "
-                                  "create the same DistributedModels in the same order")
+                raise SmpartError(f"rank {self.rank} has no DistributedModel #{message.model}: every rank "
+                                  "must create the same DistributedModels in the same order")
             model._partition = message.partition
             self._place(model, message.partition)
         except SmpartError as err:
@@ -257,7 +259,8 @@ class ProcessRuntime:
             raise error
 
     def _place(self, model: DistributedModel, partition: Any) -> None:
-        self.resident_bytes[model.model_id] = place_on_rank(model.module, model.model_id, partition, self.server)
+        kept = place_on_rank(model.module, model.model_id, partition, self.server)
+        self.resident_bytes[model.model_id] = kept
         model._partition = partition
         model._runtime = self
         self.models[model.model_id] = model
@@ -269,8 +272,6 @@ class ProcessRuntime:
             model._runtime = None
         stuck = self.server.stop(timeout_s)
         self.transport.shutdown()
-        if self.setup.created_default_group and dist.is_initialized():
-            dist.destroy_process_group()
         return stuck
 
 

@@ -166,8 +166,14 @@ def partition_of(model: Any) -> Partition:
 
 
 def _shutdown_at_exit() -> None:
+    """Flush and stop smpart (its last messages must leave), then the process group it made."""
+    owned = getattr(_runtime, "setup", None) is not None and _runtime.setup.created_default_group
     with contextlib.suppress(SmpartError):  # daemon threads still stuck in a module die with the process
         shutdown()
+    if owned:
+        from smpart.distributed.launch import teardown
+
+        teardown()
 
 
 atexit.register(_shutdown_at_exit)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import queue
 import threading
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 from smpart.errors import PipelineError, SmpartError
-from smpart.runtime import boundary
+from smpart.runtime import boundary, carried
 from smpart.runtime.ambient import Ambient, capture
 from smpart.runtime.calls import Frame, as_pipeline_error, running
 from smpart.runtime.gradients import (
@@ -51,6 +52,7 @@ from smpart.runtime.messages import (
     STAGE,
     Abort,
     Address,
+    Armed,
     BeginStep,
     EndStep,
     Failed,
@@ -203,6 +205,14 @@ class StageServer:
         self.modules: dict[tuple[int, str], nn.Module] = {}
         self.run: StageStep | None = None
         self.workers = WorkerPool(f"smpart-stage{stage}")
+        #: Messages of steps that have not begun here yet (per-pair FIFO does not order messages
+        #: from different ranks), replayed when they begin.
+        self._early: dict[int, list[Any]] = defaultdict(list)
+        #: The last step this rank's main thread has entered: a stage of a rank that does not run the
+        #: step body must not begin a step while its main thread still runs the optimizer of the
+        #: previous one (`arm`). Threads and the driver's rank: no limit.
+        self.armed = math.inf if rank is None else -1
+        self._last_step = -1
         self._stopping = False
         self._handlers: dict[type, Callable[[Any], None]] = {
             BeginStep: self._on_begin, Request: self._on_request, Response: self._on_response,
@@ -225,6 +235,11 @@ class StageServer:
     def send(self, address: Address, message: Any) -> None:
         self.transport.send(self.place, address, message)
 
+    def arm(self, step: int) -> None:
+        """This rank's main thread entered ``step``: the stage may begin it (wakes the dispatcher)."""
+        self.armed = step
+        self.transport.send(self.place, self.address, Armed(step))
+
     # ================================================================ the dispatcher
     def _dispatch_loop(self) -> None:
         while not self._stopping:
@@ -240,12 +255,35 @@ class StageServer:
                 self._stopping = True
                 self._abort_running()
                 return
-            debug("stage %d receives %s", self.stage, _describe(message))
-            try:
-                self._handlers[type(message)](message)
-            except Exception:  # a bug in a handler must not silence the stage
-                warnings.warn(f"smpart: stage {self.stage} failed to handle {type(message).__name__}:\n"
-                              f"{traceback.format_exc()}", RuntimeWarning, stacklevel=1)
+            if isinstance(message, Armed):
+                self._begin_ready_steps()
+                continue
+            self._admit(message)
+
+    def _admit(self, message: Any) -> None:
+        """Handle ``message`` now, or keep it until its step begins here."""
+        step = message.step
+        current = self.run.step if self.run is not None else self._last_step
+        if step > current and not (isinstance(message, BeginStep) and step <= self.armed):
+            self._early[step].append(message)
+            return
+        debug("stage %d receives %s", self.stage, _describe(message))
+        try:
+            self._handlers[type(message)](message)
+        except Exception:  # a bug in a handler must not silence the stage
+            warnings.warn(f"smpart: stage {self.stage} failed to handle {type(message).__name__}:\n"
+                          f"{traceback.format_exc()}", RuntimeWarning, stacklevel=1)
+        if isinstance(message, BeginStep):
+            for early in self._early.pop(step, []):
+                self._admit(early)
+
+    def _begin_ready_steps(self) -> None:
+        for step in sorted(self._early):
+            begin = next((m for m in self._early[step] if isinstance(m, BeginStep)), None)
+            if begin is None or step > self.armed:
+                return
+            self._early[step].remove(begin)
+            self._admit(begin)
 
     def _live(self, message: Any) -> StageStep | None:
         run = self.run
@@ -253,6 +291,7 @@ class StageServer:
 
     def _on_begin(self, message: BeginStep) -> None:
         self._abort_running()
+        self._last_step = message.step
         self.run = StageStep(message, self.stage, self.num_stages)
         self.run.bytes_before = dict(self.transport.bytes_sent)
 
@@ -308,8 +347,9 @@ class StageServer:
             return
         self._abort(run)  # nothing of this step may still run or wait
         self.run = None
-        report = StageReport(message.step, self.stage, list(run.spans),
-                             [str(a) for a in run.scheduler.started_order], self._bytes_since(run.bytes_before))
+        started = [str(a) for a in run.scheduler.started_order]
+        report = StageReport(message.step, self.stage, list(run.spans), started,
+                             self._bytes_since(run.bytes_before))
         self.send(run.coordinator, report)
 
     def _abort(self, run: StageStep) -> None:
@@ -346,13 +386,17 @@ class StageServer:
                                                            microbatch=mb, rank=self.rank))
             return
         frame = Frame(self, run.step, mb, run=run, claim=claim, since=time.time())
-        output, error, forwarded, mask = None, None, {}, ()
+        output, error, forwarded, mask, snapshots = None, None, {}, (), []
         ambient: Ambient = request.ambient
         try:
             route = boundary.route_back(request.reply_to, request.call_id, False, request.forwarded)
-            restore_requires_grad((request.args, request.kwargs) if request.kwargs else request.args,
+            received_args, received_kwargs = request.args, request.kwargs
+            if request.carried:
+                received = carried.unpack_call((received_args, received_kwargs), self.device)
+                received_args, received_kwargs = received
+            restore_requires_grad((received_args, received_kwargs) if received_kwargs else received_args,
                                   request.grad_mask)
-            args, kwargs = boundary.arrive_call(request.args, request.kwargs, self.device,
+            args, kwargs = boundary.arrive_call(received_args, received_kwargs, self.device,
                                                 route if ambient.grad_enabled else None, run.outbox.post)
             staged = self.modules[(request.model, request.module)].__dict__["forward"]
             with running(frame), ambient.applied():
@@ -362,6 +406,8 @@ class StageServer:
             mask = grad_mask(kept, forwarded)
             if kept is not None:
                 run.served[mb][request.call_id] = (request.module, kept)
+            if request.carried:
+                output, snapshots = carried.pack_answer((args, kwargs), output)
         except Cancelled:
             return
         except Exception as err:
@@ -369,14 +415,14 @@ class StageServer:
             error = as_pipeline_error(err, self.stage, request.module, mb, rank=self.rank)
         finally:
             self._step_out(frame)
-        self._answer(run, request, output, error, forwarded, mask)
+        self._answer(run, request, output, error, forwarded, mask, snapshots)
 
     def _answer(self, run: StageStep, request: Request, output: Any = None,
                 error: BaseException | None = None, forwarded: dict | None = None,
-                mask: tuple[int, ...] = ()) -> None:
+                mask: tuple[int, ...] = (), snapshots: list | None = None) -> None:
         if not run.aborted:
             self.send(request.reply_to, Response(run.step, request.microbatch, request.call_id, output, error,
-                                                 forwarded or {}, mask))
+                                                 forwarded or {}, mask, snapshots or []))
 
     def call(self, frame: Frame, stage: int, model: int, module: str, args: tuple, kwargs: dict) -> Any:
         """A module of this stage calls ``module`` on ``stage``: request it, give the turn back, wait."""
@@ -392,8 +438,11 @@ class StageServer:
         run.waiting[call_id] = waiter
         self._step_out(frame)
         callee = (self.place_of_stage(stage), STAGE)
-        self.send(callee, Request(run.step, mb, call_id, self.address, model, module, args, kwargs, ambient,
-                                  forwarded, grad_mask(kept, forwarded)))
+        remote = not self.transport.local(callee[0])
+        (sent_args, sent_kwargs), originals = (carried.pack_call((args, kwargs)) if remote
+                                               else ((args, kwargs), []))
+        self.send(callee, Request(run.step, mb, call_id, self.address, model, module, sent_args, sent_kwargs,
+                                  ambient, forwarded, grad_mask(kept, forwarded), bool(originals)))
         try:
             response = waiter.wait(run.timeout_s, lambda: self._describe_wait(run, module, mb, stage),
                                    lambda: self._check(run))
@@ -402,8 +451,11 @@ class StageServer:
         if response.error is not None:
             raise response.error
         route = boundary.route_back(callee, call_id, True, response.forwarded)
-        restore_requires_grad(response.output, response.grad_mask)
-        return boundary.arrive(response.output, self.device, route if ambient.grad_enabled else None,
+        output = response.output
+        if remote:
+            output = carried.unpack_answer(output, response.carried, originals, self.device)
+        restore_requires_grad(output, response.grad_mask)
+        return boundary.arrive(output, self.device, route if ambient.grad_enabled else None,
                                run.outbox.post)
 
     def enter_compute(self, frame: Frame) -> None:

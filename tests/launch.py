@@ -1,0 +1,98 @@
+"""Run a function on N processes as ``torchrun`` would, for tests: gloo on the CPU, a free port,
+a hard deadline, every process joined (and killed if it overstays).
+
+``run_ranks(fn, world_size, *args)`` calls ``fn(rank, *args)`` in each of ``world_size`` fresh
+processes (spawned: nothing inherited but arguments) with ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, and returns, per rank, a `RankResult`:
+what ``fn`` returned or the text of what it raised, and the process's exit code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass
+class RankResult:
+    rank: int
+    value: Any = None
+    error: str | None = None
+    exitcode: int | None = None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(fn: Any, rank: int, world_size: int, port: int, results: Any, args: tuple, env: dict) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), **env})
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, fn(rank, *args), None))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent
+        results.put((rank, None, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        raise SystemExit(1) from None
+    finally:
+        import smpart
+
+        with contextlib.suppress(Exception):  # the result is what matters
+            smpart.shutdown()
+
+
+def run_ranks(fn: Any, world_size: int, *args: Any, timeout_s: float = 120.0,
+              env: dict[str, str] | None = None) -> list[RankResult]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    # As torchrun's agent does: the parent hosts the rendezvous store, so a rank that destroys its
+    # process group and initialises a new one (smpart.shutdown, then init) finds it still there.
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False)
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", **(env or {})}
+    procs = [ctx.Process(target=_child, args=(fn, rank, world_size, port, results, args, env),
+                         daemon=True) for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    out = {rank: RankResult(rank) for rank in range(world_size)}
+    deadline = time.monotonic() + timeout_s
+    received = 0
+    while received < world_size and time.monotonic() < deadline:
+        try:
+            rank, value, error = results.get(timeout=0.2)
+        except Exception:  # noqa: BLE001 - queue.Empty: check whether everyone died silently
+            if all(not p.is_alive() for p in procs) and results.empty():
+                break
+            continue
+        out[rank].value, out[rank].error = value, error
+        received += 1
+    for proc in procs:
+        proc.join(max(1.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    for rank, proc in enumerate(procs):
+        out[rank].exitcode = proc.exitcode
+    del store
+    return [out[r] for r in range(world_size)]
+
+
+def values(results: list[RankResult]) -> list[Any]:
+    """Every rank's value, or an AssertionError that shows what went wrong where."""
+    failed = [r for r in results if r.error is not None or r.exitcode != 0]
+    assert not failed, "\n".join(f"rank {r.rank} (exit {r.exitcode}): {r.error}" for r in failed)
+    return [r.value for r in results]

@@ -1,0 +1,194 @@
+"""One process per stage (gloo on the CPU) trains exactly like the unsplit model.
+
+Each test launches real processes as ``torchrun`` would (`tests.launch`), every one running the
+same function (SPMD). The biggest matrix (every zoo model x micro-batches x schedules) runs once
+per world size inside one launch, re-initialising smpart between configurations, which also
+checks ``init`` -> ``shutdown`` -> ``init`` within one job.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import smpart
+from examples.models import ZOO
+from tests.launch import run_ranks, values
+from tests.test_runtime_placement import Nested, SharedUse, TiedEncoderDecoder
+
+TOL = 1e-6
+
+
+def _reference_losses(model, example, args, kwargs, target, microbatches):
+    losses = []
+    for i in range(microbatches):
+        a = [x.chunk(microbatches)[i] for x in args]
+        k = {n: v.chunk(microbatches)[i] for n, v in kwargs.items()}
+        loss = example.loss(model(*a, **k), target.chunk(microbatches)[i])
+        (loss / microbatches).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+@smpart.step
+def _zoo_step(model, example, args, kwargs, target):
+    loss = example.loss(model(*args, **kwargs), target)
+    model.backward(loss)
+    return loss
+
+
+def _train_zoo(rank, configs, steps=3):
+    """Every configuration: pipelined and unsplit training side by side; the worst differences."""
+    report = []
+    world = int(os.environ["WORLD_SIZE"])
+    for name, microbatches, schedule in configs:
+        example = ZOO[name](dtype=torch.float64)
+        reference = copy.deepcopy(example.model)
+        smpart.init(pipeline_parallel_degree=world, microbatches=microbatches, pipeline=schedule,
+                    timeout_s=60)
+        model = smpart.DistributedModel(example.model)
+        opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+        loss_diff = 0.0
+        for step in range(steps):
+            args, kwargs, target = example.batch(4, seed=step)
+            out = _zoo_step(model, example, args, kwargs, target)
+            expected = _reference_losses(reference, example, args, kwargs, target, microbatches)
+            loss_diff = max(loss_diff, (out.stack() - expected).abs().max().item())
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+        full = model.state_dict()
+        state_diff = max((full[k].double() - v.double()).abs().max().item()
+                         for k, v in reference.state_dict().items())
+        same_keys = len(full) == len(reference.state_dict())
+        report.append(((name, microbatches, schedule), loss_diff, state_diff, same_keys))
+        smpart.shutdown()
+    return report
+
+
+def _assert_report(results):
+    for report in values(results):
+        for config, loss_diff, state_diff, same_keys in report:
+            assert same_keys, config
+            assert loss_diff <= TOL, (config, loss_diff)
+            assert state_diff <= TOL, (config, state_diff)
+
+
+@pytest.mark.timeout(600)
+def test_zoo_grid_on_two_processes():
+    configs = [(name, mb, schedule) for name in ZOO for mb in (1, 2, 4) for schedule in ("gpipe", "1f1b")]
+    _assert_report(run_ranks(_train_zoo, 2, configs, timeout_s=580))
+
+
+@pytest.mark.timeout(600)
+def test_zoo_grid_on_three_processes():
+    configs = [(name, mb, schedule) for name in ZOO if name != "albert"
+               for mb, schedule in ((2, "gpipe"), (4, "1f1b"))]
+    configs.append(("albert", 2, "1f1b"))  # its one layer, reused 12 times, bounces between all stages
+    _assert_report(run_ranks(_train_zoo, 3, configs, timeout_s=580))
+
+
+# ---------------------------------------------------------------------------- placements
+def _placements(rank):
+    """Nested placement, a module shared by callers on two stages, tied weights across stages."""
+    found = []
+    cases = [(Nested, {"": 0, "pre": 0, "inner": 1, "inner.child": 0, "post": 0}),
+             (SharedUse, {"": 0, "a": 0, "b": 1, "head": 1}),
+             (TiedEncoderDecoder, {"enc": 0, "dec": 1, "head": 1})]
+    for make, pins in cases:
+        torch.manual_seed(0)  # every rank builds the same weights (SPMD), as a user's script would
+        module = make().double()
+        reference = copy.deepcopy(module)
+        smpart.init(pipeline_parallel_degree=2, microbatches=4, pin=pins, timeout_s=60)
+        dm = smpart.DistributedModel(module)
+        opt = smpart.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.1))
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+        @smpart.step
+        def step(model, x, y):
+            loss = F.mse_loss(model(x), y)
+            model.backward(loss)
+            return loss
+
+        worst = 0.0
+        for seed in range(2):
+            g = torch.Generator().manual_seed(seed)
+            x, y = torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 1, generator=g,
+                                                                                    dtype=torch.float64)
+            out = step(dm, x, y)
+            ref = [F.mse_loss(reference(a), b) for a, b in zip(x.chunk(4), y.chunk(4), strict=True)]
+            (sum(ref) / 4).backward()
+            worst = max(worst, (out.stack() - torch.stack(ref).detach()).abs().max().item())
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        full = dm.state_dict()
+        worst = max([worst] + [(full[k] - v).abs().max().item() for k, v in reference.state_dict().items()])
+        found.append((type(module).__name__, worst, smpart.partition_of(dm).num_stages))
+        smpart.shutdown()
+    return found
+
+
+@pytest.mark.timeout(180)
+def test_nested_shared_and_tied_placements_on_processes():
+    for report in values(run_ranks(_placements, 2, timeout_s=170)):
+        for name, worst, stages in report:
+            assert stages == 2
+            assert worst <= TOL, (name, worst)
+
+
+# ---------------------------------------------------------------------------- Hugging Face
+def _hf_gpt2(rank):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_layer=4, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0,
+                        eos_token_id=0)
+    model = GPT2LMHeadModel(config).double().eval()  # its defaults: use_cache=True, a DynamicCache
+    reference = copy.deepcopy(model)
+    smpart.init(pipeline_parallel_degree=int(os.environ["WORLD_SIZE"]), microbatches=2, timeout_s=60)
+    dm = smpart.DistributedModel(model)
+
+    @smpart.step
+    def step(model, x):
+        out = model(x, labels=x)
+        model.backward(out.loss)
+        return out.loss
+
+    report = []
+    for seq in (8, 12, 5):  # the sequence length changes from step to step
+        x = torch.randint(0, 64, (4, seq), generator=torch.Generator().manual_seed(seq))
+        out = step(dm, x)
+        losses = []
+        for piece in x.chunk(2):
+            loss = reference(piece, labels=piece).loss
+            (loss / 2).backward()
+            losses.append(loss.detach())
+        grads = dict(dm.named_parameters())
+        grad_diff = max((grads[n].grad - p.grad).abs().max().item() for n, p in reference.named_parameters()
+                        if grads[n].grad is not None)
+        owned = sum(p.grad is not None for p in dm.parameters())
+        report.append((seq, (out.stack() - torch.stack(losses)).abs().max().item(), grad_diff, owned,
+                       out.timeline.bytes_sent))
+        dm.zero_grad()
+        reference.zero_grad()
+    return report
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 3])
+def test_hugging_face_gpt2_with_its_defaults_and_changing_sequence_length(world):
+    reports = values(run_ranks(_hf_gpt2, world, timeout_s=170))
+    total_params = 4 * 12 + 5  # every rank holds gradients for its own stage's parameters only
+    for report in reports:
+        for seq, loss_diff, grad_diff, _, bytes_sent in report:
+            assert loss_diff <= 1e-10 and grad_diff <= 1e-10, (seq, loss_diff, grad_diff)
+            assert bytes_sent, "tensors crossed between processes"
+    owned = [report[0][3] for report in reports]
+    assert sum(owned) <= total_params + 1 and all(n > 0 for n in owned[1:])

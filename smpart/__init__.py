@@ -5,8 +5,10 @@ The public API, re-exported; nothing inside the package imports from here.
 
 from smpart.config import Config
 from smpart.errors import (
+    CheckpointError,
     ConfigError,
     PartitionError,
+    PeerLost,
     PipelineError,
     PlanError,
     SmpartError,
@@ -29,12 +31,28 @@ from smpart.runtime import (
     DistributedModel,
     DistributedOptimizer,
     StepOutput,
+    barrier,
+    dp_rank,
+    dp_size,
     init,
+    local_rank,
     partition_of,
+    pp_rank,
+    pp_size,
+    rank,
     set_partition,
     shutdown,
+    size,
     step,
+    tp_rank,
+    tp_size,
 )
+from smpart.runtime.activation_checkpointing import set_activation_checkpointing
+from smpart.runtime.boundary import register_carried_state
+from smpart.tensor_parallel import set_tensor_parallelism, tensor_parallelism
+
+# isort: split
+from smpart.checkpoint import load_checkpoint, load_weights, save_checkpoint
 
 # isort: split
 from smpart.planner import Cluster, DeviceType, Plan, Plans, plan
@@ -42,8 +60,10 @@ from smpart.planner import Cluster, DeviceType, Plan, Plans, plan
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "Config",
     "ConfigError",
+    "PeerLost",
     "DataEdge",
     "ModuleNode",
     "ModuleTree",
@@ -64,6 +84,23 @@ __all__ = [
     "set_partition",
     "shutdown",
     "step",
+    "rank",
+    "size",
+    "local_rank",
+    "pp_rank",
+    "pp_size",
+    "dp_rank",
+    "dp_size",
+    "tp_rank",
+    "tp_size",
+    "barrier",
+    "set_activation_checkpointing",
+    "set_tensor_parallelism",
+    "tensor_parallelism",
+    "register_carried_state",
+    "save_checkpoint",
+    "load_checkpoint",
+    "load_weights",
     "Cluster",
     "DeviceType",
     "Plan",

@@ -57,7 +57,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from smpart.errors import SmpartError
+from smpart.errors import CheckpointError
 
 #: The marker file written last; its presence means the checkpoint is complete.
 MARKER = ".smpart_complete"
@@ -66,10 +66,6 @@ FORMAT = "smpart.checkpoint/1"
 SIDE_DIR = "smpart"
 MODEL = "model."
 OPTIM = "optim.state."
-
-
-class CheckpointError(SmpartError):
-    """A checkpoint cannot be written or read as asked (not a checkpoint, partial, another model)."""
 
 
 # ==================================================================== what a rank holds

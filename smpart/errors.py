@@ -71,15 +71,23 @@ def _rebuild_pipeline_error(cls: type, message: str, fields: dict) -> PipelineEr
 
 
 class PeerLost(SmpartError):
-    """Another rank of the job died or stopped answering."""
+    """A peer rank died or stopped answering; the step cannot complete without it."""
 
     def __init__(self, rank: int, detail: str = "") -> None:
-        super().__init__(f"rank {rank} was lost (its process died or stopped answering){detail}; every "
-                         "rank of this job stops: restart it (from a checkpoint)")
+        message = f"rank {rank} was lost (its process died or stopped answering)"
+        if detail:
+            message += f": {detail}"
+        message += ". Its work cannot be recovered in this job: stop and restart it (from a checkpoint)"
+        super().__init__(message)
         self.rank = rank
+        self.detail = detail
 
     def __reduce__(self) -> tuple:
-        return (PeerLost, (self.rank,))
+        return (PeerLost, (self.rank, self.detail))
+
+
+class CheckpointError(SmpartError):
+    """A checkpoint cannot be written or read as asked (not a checkpoint, partial, another model)."""
 
 
 class PlanError(SmpartError):

@@ -85,7 +85,7 @@ import torch
 import torch.distributed as dist
 
 from smpart.distributed import wire
-from smpart.errors import SmpartError
+from smpart.errors import PeerLost, SmpartError
 
 TAG_FRAME = 0x736D0001
 TAG_TAIL = 0x736D0002
@@ -101,18 +101,6 @@ _STORE_FAILURES = 3  # consecutive store errors after which heartbeats stop (its
 
 _generations = itertools.count()  # one per transport made in this process: heartbeat keys
 _open_transports: weakref.WeakSet[ProcessTransport] = weakref.WeakSet()
-
-
-class PeerLost(SmpartError):
-    """A peer rank died or stopped answering; the step cannot complete without it."""
-
-    def __init__(self, rank: int, detail: str = "") -> None:
-        message = f"rank {rank} was lost (its process died or stopped answering)"
-        if detail:
-            message += f": {detail}"
-        message += ". Its work cannot be recovered in this job: stop and restart it (from a checkpoint)"
-        super().__init__(message)
-        self.rank = rank
 
 
 class _Wake:

@@ -206,17 +206,24 @@ def remove(model: nn.Module) -> int:
 
     Returns how many modules were restored.
     """
-    restored = 0
-    for module in model.modules():
-        wrapper = module.__dict__.get("forward")
-        if isinstance(wrapper, CheckpointedForward):
-            if wrapper.instance_forward is not None:
-                module.forward = wrapper.instance_forward  # type: ignore[method-assign]
-            else:
-                del module.forward
-            restored += 1
-    return restored
+    return sum(uncheckpoint(module) for module in model.modules())
+
+
+def uncheckpoint(module: nn.Module) -> bool:
+    """Undo `apply` on one module; False if it was not checkpointed."""
+    wrapper = module.__dict__.get("forward")
+    if not isinstance(wrapper, CheckpointedForward):
+        return False
+    if wrapper.instance_forward is not None:
+        module.forward = wrapper.instance_forward  # type: ignore[method-assign]
+    else:
+        del module.forward
+    return True
 
 
 def is_checkpointed(module: nn.Module) -> bool:
-    return isinstance(module.__dict__.get("forward"), CheckpointedForward)
+    """Whether ``module`` recomputes its forward in the backward (also once placed on a stage,
+    where the runtime's routing forward wraps the checkpointed one)."""
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, CheckpointedForward) or isinstance(getattr(forward, "instance_forward", None),
+                                                                  CheckpointedForward)

@@ -23,6 +23,19 @@ class DistributedOptimizer:
     def step(self, closure: Any = None) -> Any:
         return self.optimizer.step(closure)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip every gradient by the norm over the whole model (all stages, all shards), counting
+        a tied or replicated parameter once; returns the total norm, as the unsplit model's
+        ``torch.nn.utils.clip_grad_norm_`` would. Under ``torchrun`` every rank must call it."""
+        from smpart.runtime.grad_clip import clip_grad_norm_
+        from smpart.runtime.runtime import running_runtime
+
+        group = getattr(running_runtime(), "state_group", None)
+        params = [p for group_ in self.optimizer.param_groups for p in group_["params"]]
+        return clip_grad_norm_(params, max_norm, norm_type, groups=[group] if group is not None else None,
+                               error_if_nonfinite=error_if_nonfinite)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 

@@ -10,6 +10,7 @@ the parameters keep working) and install a `StagedForward` that routes calls to 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -38,7 +39,38 @@ def choose_devices(config: Config) -> list[torch.device]:
 
 def make_partition(model: nn.Module, args: tuple, kwargs: dict, config: Config,
                    pins: dict[str, int]) -> Partition:
-    """Trace ``model`` on one call's arguments and partition it as configured."""
+    """Trace ``model`` on one call's arguments and partition it as configured.
+
+    Modules named by ``config.activation_checkpointing`` (or `set_activation_checkpointing`)
+    recompute their forward in the backward; they are set up before the trace, so the trace and
+    the partition price them as checkpointed. One whose modules the partition spreads over
+    several stages is left un-checkpointed, with a warning: recomputing it would call other
+    stages from inside a backward segment."""
+    from smpart.runtime import activation_checkpointing as ac
+
+    names = ac.checkpointed_names(model, config.activation_checkpointing)
+    if names:
+        ac.apply(model, names)
+    partition = _trace_and_partition(model, args, kwargs, config, pins)
+    _keep_checkpoints_within_stages(model, names, partition)
+    return partition
+
+
+def _keep_checkpoints_within_stages(model: nn.Module, names: list[str], partition: Partition) -> None:
+    from smpart.runtime import activation_checkpointing as ac
+
+    stages = module_stages(model, partition)
+    for name in names:
+        spread = {stage for other, stage in stages.items() if other == name or other.startswith(f"{name}.")}
+        if len(spread) > 1:
+            ac.uncheckpoint(model.get_submodule(name))
+            warnings.warn(f"smpart: activation checkpointing of {name!r} is off: the partition put its "
+                          f"modules on stages {sorted(spread)}; checkpoint its children instead ({name}.*)",
+                          stacklevel=3)
+
+
+def _trace_and_partition(model: nn.Module, args: tuple, kwargs: dict, config: Config,
+                         pins: dict[str, int]) -> Partition:
     from smpart.partition.api import partition
     from smpart.tracing.tracer import trace
 
@@ -136,9 +168,12 @@ def _release_own_tensors(module: nn.Module, seen: set[int]) -> None:
 
 
 def unplace(model: nn.Module, servers: list[StageServer]) -> None:
-    """Undo `place`'s routing (tensors stay where they are)."""
+    """Undo `place`'s routing and activation checkpointing (tensors stay where they are)."""
+    from smpart.runtime import activation_checkpointing as ac
+
     for module in model.modules():
         uninstall(module)
+    ac.remove(model)
     for server in servers:
         server.modules.clear()
 

@@ -1,0 +1,79 @@
+"""Where this process stands in the job, as in SMP: ``smpart.rank()``, ``pp_rank()``, ``barrier()``...
+
+On threads (no ``torchrun``) there is one process: rank 0 of 1, every degree but the pipeline's 1.
+Under ``torchrun`` the answers come from the running configuration's layout of ranks
+(`smpart.distributed.launch.Layout`), or from the launcher's environment before ``init``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from smpart.runtime.runtime import running_runtime
+
+
+def _layout():
+    return getattr(running_runtime(), "layout", None)
+
+
+def rank() -> int:
+    """This process's global rank (0 on threads)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def size() -> int:
+    """Processes in the job (1 on threads)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_rank() -> int:
+    """This process's rank on its machine (its GPU under NCCL)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def pp_rank() -> int:
+    """This process's pipeline stage (0 on threads, where every stage is here)."""
+    layout = _layout()
+    return layout.coordinates(rank())[0] if layout is not None else 0
+
+
+def pp_size() -> int:
+    layout = _layout()
+    if layout is not None:
+        return layout.pp
+    runtime = running_runtime()
+    return runtime.num_stages if runtime is not None else 1
+
+
+def dp_rank() -> int:
+    layout = _layout()
+    return layout.coordinates(rank())[1] if layout is not None else 0
+
+
+def dp_size() -> int:
+    layout = _layout()
+    return layout.dp if layout is not None else 1
+
+
+def tp_rank() -> int:
+    layout = _layout()
+    return layout.coordinates(rank())[2] if layout is not None else 0
+
+
+def tp_size() -> int:
+    layout = _layout()
+    return layout.tp if layout is not None else 1
+
+
+def barrier() -> None:
+    """Wait until every rank gets here (a no-op on threads)."""
+    runtime = running_runtime()
+    group = getattr(runtime, "state_group", None)
+    if group is not None:
+        dist.barrier(group=group)

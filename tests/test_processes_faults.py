@@ -1,0 +1,186 @@
+"""Faults and bad input across processes: every rank gets a clear `SmpartError`, nothing hangs.
+
+Each test launches real processes (`tests.launch`) with a hard deadline; a rank that would wait
+forever fails the test by its exit code, not by hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import smpart
+from examples.models import gpt2
+from tests.launch import run_ranks
+
+
+class Picky(nn.Linear):
+    """Raises on a NaN input; with ``die`` set, ends its process instead (its own forward runs on its
+    stage's rank; a module's hooks run where it is called from)."""
+
+    die = False
+
+    def forward(self, x):
+        if self.die:
+            os._exit(3)
+        if torch.isnan(x).any():
+            raise ValueError("a bad sample")
+        return super().forward(x)
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4, dtype=torch.float64)
+        self.second = Picky(4, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.second(self.first(x).tanh())
+
+
+PINS = {"": 0, "first": 0, "second": 1}
+
+
+@smpart.step
+def _step(model, x):
+    loss = model(x).square().mean()
+    model.backward(loss)
+    return loss
+
+
+def _module_raises(rank):
+    torch.manual_seed(0)
+    model = Chain()
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, pin=PINS, timeout_s=30)
+    dm = smpart.DistributedModel(model)
+    bad = torch.ones(4, 4, dtype=torch.float64)
+    bad[2:, 0] = float("nan")  # micro-batch 1
+    try:
+        _step(dm, bad)
+        return "no error"
+    except smpart.PipelineError as err:
+        caught = (err.stage, err.rank, err.module, err.microbatch, str(err))
+    out = _step(dm, torch.ones(4, 4, dtype=torch.float64))  # the next step runs normally
+    return caught, out.reduce_mean().item()
+
+
+@pytest.mark.timeout(120)
+def test_an_exception_in_a_module_reaches_every_rank_and_the_next_step_runs():
+    results = run_ranks(_module_raises, 2, timeout_s=110)
+    for result in results:
+        assert result.error is None and result.exitcode == 0, result
+        (stage, rank, module, microbatch, text), loss = result.value
+        assert (stage, rank, module, microbatch) == (1, 1, "second", 1), text
+        assert "a bad sample" in text
+        assert loss == pytest.approx(results[0].value[1])
+
+
+def _dies(rank, when):
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, pin=PINS, timeout_s=120)
+    torch.manual_seed(0)
+    dm = smpart.DistributedModel(Chain())
+    x = torch.randn(4, 4, dtype=torch.float64)
+    _step(dm, x)
+    if rank == 1 and when == "between steps":
+        os._exit(3)
+    if rank == 1 and when == "inside a module":
+        dm.module.second.die = True
+    start = time.monotonic()
+    try:
+        _step(dm, x)
+    except smpart.SmpartError as err:
+        return str(err), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("when", ["between steps", "inside a module"])
+def test_a_rank_that_dies_makes_the_others_fail_naming_it(when):
+    results = run_ranks(_dies, 2, when, timeout_s=140)
+    assert results[1].exitcode == 3
+    text, waited = results[0].value
+    assert "rank 1 was lost" in text, text
+    assert waited < 60
+
+
+def _init_only(rank, config_by_rank):
+    try:
+        smpart.init(**config_by_rank[rank])
+    except smpart.ConfigError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+def test_bad_launches_are_clear_errors_on_every_rank():
+    # the world does not fit the configuration
+    three = {"pipeline_parallel_degree": 3}
+    for result in run_ranks(_init_only, 2, {0: three, 1: three}, timeout_s=60):
+        assert "not a multiple of" in result.value, result
+    # ranks disagree about the configuration
+    results = run_ranks(_init_only, 2, {0: {"pipeline_parallel_degree": 2, "microbatches": 2},
+                                        1: {"pipeline_parallel_degree": 2, "microbatches": 4}}, timeout_s=60)
+    for result in results:
+        assert "different configurations" in result.value and "microbatches" in result.value, result
+
+
+def _nccl_without_gpu(rank):
+    try:
+        smpart.init(pipeline_parallel_degree=2, backend="nccl")
+    except smpart.ConfigError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error seen without a GPU")
+def test_nccl_asked_for_without_a_gpu():
+    for result in run_ranks(_nccl_without_gpu, 2, timeout_s=50):
+        assert "needs CUDA" in result.value, result
+
+
+def _resident(rank):
+    torch.manual_seed(0)
+    example = gpt2()
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60)
+    dm = smpart.DistributedModel(example.model)
+
+    @smpart.step
+    def step(model, x, y):
+        loss = example.loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    step(dm, example.args[0], example.target)
+    held = sum(p.numel() * p.element_size() for p in dm.parameters() if p.device.type != "meta")
+    partition = smpart.partition_of(dm)
+    return held, partition.stage_loads()[smpart.pp_rank()].param_bytes, smpart.pp_rank(), smpart.pp_size()
+
+
+@pytest.mark.timeout(120)
+def test_each_rank_holds_only_its_stages_parameters():
+    results = run_ranks(_resident, 2, timeout_s=110)
+    for result in results:
+        assert result.error is None, result.error
+        held, planned, stage, stages = result.value
+        assert stages == 2 and stage == result.rank
+        assert held == planned, (held, planned)
+    total = sum(p.numel() * p.element_size() for p in gpt2().model.parameters())
+    assert sum(r.value[0] for r in results) == total
+
+
+def _with_helpers(rank):
+    smpart.init(pipeline_parallel_degree=2, microbatches=1, pin=PINS)
+    smpart.barrier()
+    return smpart.rank(), smpart.size(), smpart.pp_rank(), smpart.dp_size(), smpart.tp_size()
+
+
+@pytest.mark.timeout(60)
+def test_rank_helpers():
+    results = run_ranks(_with_helpers, 2, timeout_s=50)
+    assert [r.value for r in results] == [(0, 2, 0, 1, 1), (1, 2, 1, 1, 1)]
+

@@ -5,9 +5,26 @@ landing never depends on luck; local runs stay random and keep exploring.
 """
 
 import os
+import threading
+import time
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+@pytest.fixture(autouse=True)
+def _no_smpart_thread_left_behind():
+    """Every test ends with smpart shut down and none of its threads alive."""
+    yield
+    import smpart
+
+    smpart.shutdown()
+    deadline = time.monotonic() + 5
+    while (left := [t.name for t in threading.enumerate() if t.name.startswith("smpart")]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"smpart threads still alive after the test: {left}"

@@ -170,3 +170,47 @@ def test_shutdown_joins_every_thread():
     train_step(model, torch.randn(4, 4))
     smpart.shutdown()
     assert [t.name for t in threading.enumerate() if t.name.startswith("smpart")] == []
+
+
+@pytest.mark.timeout(60)
+def test_after_a_failed_step_nothing_is_left_running_and_shutdown_is_quick():
+    model, net = setup()
+    train_step(model, torch.randn(4, 4))
+    net.second.mode = "raise"
+    with pytest.raises(PipelineError):
+        train_step(model, torch.randn(4, 4))
+    net.second.mode = None
+    train_step(model, torch.randn(4, 4))  # the next step works
+    start = time.monotonic()
+    smpart.shutdown()  # quick and silent: no thread of the failed step is stuck
+    assert time.monotonic() - start < 2
+    assert [t.name for t in threading.enumerate() if t.name.startswith("smpart")] == []
+
+
+@pytest.mark.timeout(30)
+def test_a_step_called_inside_a_step_is_refused_at_once():
+    model, _ = setup()
+
+    @smpart.step
+    def outer(model, x):
+        return train_step(model, x)
+
+    start = time.monotonic()
+    with pytest.raises(SmpartError, match="steps do not nest"):
+        outer(model, torch.randn(4, 4))
+    assert time.monotonic() - start < 5
+    train_step(model, torch.randn(4, 4))
+
+
+@pytest.mark.timeout(30)
+def test_set_partition_to_a_stage_that_does_not_exist():
+    smpart.init(pipeline_parallel_degree=2, microbatches=2)
+    net = Faulty()
+    with pytest.raises(SmpartError, match="stage 5 does not exist"):
+        smpart.set_partition(net.lin, 5)
+    smpart.shutdown()
+    smpart.set_partition(net.lin, 5)  # before init nobody knows the stage count: said at the first step
+    smpart.init(pipeline_parallel_degree=2, microbatches=2)
+    model = smpart.DistributedModel(net)
+    with pytest.raises(SmpartError, match="5"):
+        train_step(model, torch.randn(4, 4))

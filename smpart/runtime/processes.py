@@ -158,9 +158,9 @@ class ProcessRuntime:
 
     # ================================================================ steps
     def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]]) -> tuple[list[Any], Any]:
-        from smpart.runtime.runtime import _in_step
+        from smpart.runtime.runtime import _in_step, in_a_step
 
-        if getattr(_in_step, "active", False):
+        if in_a_step():
             raise SmpartError("an @smpart.step function was called inside another step; steps do not nest")
         with self._step_lock:
             _in_step.active = True

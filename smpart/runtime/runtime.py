@@ -60,7 +60,7 @@ class Runtime:
         return stage
 
     def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]]) -> tuple[list[Any], Any]:
-        if getattr(_in_step, "active", False):
+        if in_a_step():
             raise SmpartError("an @smpart.step function was called inside another step (or from a module "
                               "running in one); steps do not nest: call the inner step after the outer "
                               "one returns, or make it a plain function")
@@ -131,6 +131,13 @@ def shutdown() -> None:
         stuck = runtime.shutdown()
         if stuck:
             raise SmpartError(f"threads still busy after shutdown (a module that never returns?): {stuck}")
+
+
+def in_a_step() -> bool:
+    """Whether this thread runs inside a step: the caller of one, a step body or a module in it."""
+    from smpart.runtime.calls import current_frame
+
+    return getattr(_in_step, "active", False) or current_frame() is not None
 
 
 def current_runtime() -> Runtime:

@@ -192,3 +192,51 @@ def test_hugging_face_gpt2_with_its_defaults_and_changing_sequence_length(world)
             assert bytes_sent, "tensors crossed between processes"
     owned = [report[0][3] for report in reports]
     assert sum(owned) <= total_params + 1 and all(n > 0 for n in owned[1:])
+
+
+# ---------------------------------------------------------------------------- meta device, eval
+def _meta_built(rank):
+    """A model built on the meta device: each rank materialises only its own modules (to_empty and
+    each module's reset_parameters); evaluation (forward-only) steps work."""
+    from examples.models import GPT, GPTConfig, gpt2
+
+    example = gpt2()
+    with torch.device("meta"):  # built there: no weights anywhere until each rank makes its own
+        model = GPT(GPTConfig())
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60)
+    dm = smpart.DistributedModel(model)
+
+    @smpart.step
+    def evaluate(model, x, y):
+        with torch.no_grad():
+            return example.loss(model(x), y)
+
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.5))  # made before placement
+
+    @smpart.step
+    def train(model, x, y):
+        loss = example.loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    out = evaluate(dm, example.args[0], example.target)
+    devices = {p.device.type for p in dm.parameters()}
+    held = sum(p.numel() for p in dm.parameters() if p.device.type != "meta")
+    before = {k: v.clone() for k, v in dm.local_state_dict().items()}
+    train(dm, example.args[0], example.target)
+    opt.step()
+    after = dm.local_state_dict()
+    moved = all(not torch.equal(before[k], v) for k, v in after.items() if k.endswith("weight"))
+    total = sum(p.numel() for p in example.model.parameters())
+    return float(out.reduce_mean()), sorted(devices), held, total, moved
+
+
+@pytest.mark.timeout(120)
+def test_a_model_built_on_meta_is_materialised_per_rank_and_evaluates():
+    results = values(run_ranks(_meta_built, 2, timeout_s=110))
+    losses = [loss for loss, *_ in results]
+    assert losses[0] == losses[1] and torch.isfinite(torch.tensor(losses[0]))
+    for _, devices, held, _, moved in results:
+        assert devices == ["cpu", "meta"] and held > 0
+        assert moved, "the optimizer made before placement trains the materialised parameters"
+    assert sum(r[2] for r in results) == results[0][3]

@@ -21,7 +21,23 @@ class DistributedOptimizer:
         self.optimizer = optimizer
 
     def step(self, closure: Any = None) -> Any:
+        self._adopt_replaced_parameters()
         return self.optimizer.step(closure)
+
+    def _adopt_replaced_parameters(self) -> None:
+        """Placement replaces a parameter object only when it cannot change it in place (autograd
+        still referenced it); the optimizer then holds the new one, with any state it had."""
+        from smpart.runtime.placement import REPLACED, replacement_of
+
+        if not REPLACED:
+            return
+        for group in self.optimizer.param_groups:
+            for i, param in enumerate(group["params"]):
+                new = replacement_of(param)
+                if new is not None:
+                    group["params"][i] = new
+                    if param in self.optimizer.state:
+                        self.optimizer.state[new] = self.optimizer.state.pop(param)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:

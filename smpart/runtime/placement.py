@@ -11,6 +11,7 @@ the parameters keep working) and install a `StagedForward` that routes calls to 
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -112,6 +113,11 @@ def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server:
     meta device, so a rank holds only its own stage. Returns the parameter bytes kept here."""
     stages = module_stages(model, partition)
     mine = {name for name, stage in stages.items() if stage == server.stage}
+    _owners.clear()
+    for owner in model.modules():  # a tied parameter has several owners: all must see a replacement
+        for param in owner._parameters.values():
+            if param is not None:
+                _owners.setdefault(id(param), []).append(owner)
     kept = 0
     seen: set[int] = set()
     for name, module in model.named_modules():  # own modules first: a tied weight is kept, not released
@@ -125,19 +131,48 @@ def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server:
     return kept
 
 
+#: Parameters placement had to replace by new objects (autograd still referenced the old ones, so
+#: they could not be changed in place): id(old) -> (old, new), the old one weakly held (keyed by
+#: identity: tensors compare by value). `DistributedOptimizer` adopts the new ones.
+REPLACED: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
+
+
+def replacement_of(param: nn.Parameter) -> nn.Parameter | None:
+    entry = REPLACED.get(id(param))
+    return entry[1] if entry is not None and entry[0]() is param else None
+
+
+def _swap_in(module: nn.Module, name: str, param: nn.Parameter, new: nn.Parameter) -> None:
+    """Make ``param`` (same object, so optimizers holding it keep working) become ``new``; when
+    autograd still references it, put ``new`` in its place instead and remember the replacement."""
+    try:
+        torch.utils.swap_tensors(param, new)
+    except RuntimeError:
+        for owner in _owners.get(id(param), [module]):
+            for key, value in owner._parameters.items():
+                if value is param:
+                    owner._parameters[key] = new
+        REPLACED[id(param)] = (weakref.ref(param), new)
+        if param.device.type != "meta":
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)  # free its storage
+
+
+_owners: dict[int, list[nn.Module]] = {}
+
+
 def _materialise_own_tensors(module: nn.Module, device: torch.device, seen: set[int]) -> int:
     """Move (or, from meta, allocate and re-initialise) a module's own tensors on ``device``."""
     size = 0
     fresh = False
-    for param in module.parameters(recurse=False):
-        if id(param) in seen:
+    for name, param in list(module._parameters.items()):
+        if param is None or id(param) in seen:
             continue
         seen.add(id(param))
         size += param.numel() * param.element_size()
         if param.device.type == "meta":
             fresh = True
-            torch.utils.swap_tensors(param, nn.Parameter(torch.empty(param.shape, dtype=param.dtype,
-                                                                     device=device), param.requires_grad))
+            empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+            _swap_in(module, name, param, nn.Parameter(empty, param.requires_grad))
         elif param.device != device:
             param.data = param.data.to(device)
     for key, buffer in module._buffers.items():
@@ -157,11 +192,7 @@ def _release_own_tensors(module: nn.Module, seen: set[int]) -> None:
             continue
         seen.add(id(param))
         meta = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
-        try:  # the same object turns meta, so an optimizer holding it sees a parameter with no grad
-            torch.utils.swap_tensors(param, meta)
-        except RuntimeError:  # autograd still references it (traced with its own weights): replace it,
-            module._parameters[name] = meta  # and free the old one's storage under the optimizer's feet
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        _swap_in(module, name, param, meta)
     for key, buffer in module._buffers.items():
         if buffer is not None:
             module._buffers[key] = torch.empty_like(buffer, device="meta")

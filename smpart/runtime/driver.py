@@ -87,7 +87,7 @@ class Driver:
         finally:
             self._advance_turn()
             run.transport.close(self.address)
-            run.broadcast(Release(run.step, mb))
+            run.broadcast(Release(run.step, mb), best_effort=True)
             run.report(finished)
 
     # ================================================================ turnstile

@@ -179,16 +179,23 @@ class ProcessRuntime:
             error = err
             raise
         finally:
+            result = StepResult(step, results, timeline, _shippable(error))
             for stage in range(1, self.num_stages):
-                self.transport.send(self.rank, (self.place_of_stage(stage), MAIN),
-                                    StepResult(step, results, timeline, _shippable(error)))
+                try:
+                    self.transport.send(self.rank, (self.place_of_stage(stage), MAIN), result)
+                except SmpartError:  # that rank is gone; the step's own error (if any) matters more
+                    if error is None:
+                        raise
         return results, timeline
 
     def _follow(self, step: int) -> tuple[list[Any], Any]:
         """Serve (in the stage server's threads) until the driver's rank says the step is over."""
         self.server.arm(step)
-        deadline = time.monotonic() + self.config.timeout_s
-        while time.monotonic() < deadline:
+        timeout_s = self.config.timeout_s
+        started = time.monotonic()
+        # A step may take longer than timeout_s (a limit on each wait); give up only when neither the
+        # driver's rank answered nor this stage heard anything for that long.
+        while time.monotonic() - max(started, self.server.last_activity) < timeout_s:
             message = self.transport.receive((self.rank, MAIN), POLL_S)
             if isinstance(message, PlaceModel):
                 self._place_here(message)
@@ -200,8 +207,8 @@ class ProcessRuntime:
                 if message.error is not None:
                     raise message.error
                 return message.results, message.timeline
-        raise PipelineError(f"rank {self.rank} waited more than {self.config.timeout_s} s for step {step} to "
-                            "end", rank=self.rank)
+        raise PipelineError(f"rank {self.rank} heard nothing for {timeout_s} s while waiting for step {step} "
+                            "to end (a hang on another rank?)", rank=self.rank)
 
     # ================================================================ placement
     def ensure_placed(self, model: DistributedModel, args: tuple, kwargs: dict) -> None:

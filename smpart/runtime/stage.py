@@ -213,6 +213,9 @@ class StageServer:
         #: previous one (`arm`). Threads and the driver's rank: no limit.
         self.armed = math.inf if rank is None else -1
         self._last_step = -1
+        #: When the dispatcher last received a message (a rank waiting for a step to end uses it to
+        #: tell a long step from a hung one).
+        self.last_activity = time.monotonic()
         self._stopping = False
         self._handlers: dict[type, Callable[[Any], None]] = {
             BeginStep: self._on_begin, Request: self._on_request, Response: self._on_response,
@@ -251,6 +254,7 @@ class StageServer:
                 continue
             if message is None:
                 continue
+            self.last_activity = time.monotonic()
             if isinstance(message, Shutdown):
                 self._stopping = True
                 self._abort_running()

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from smpart.errors import PipelineError
+from smpart.errors import PipelineError, SmpartError
 from smpart.runtime.driver import Driver
 from smpart.runtime.messages import (
     STAGE,
@@ -63,9 +63,15 @@ class StepRun:
     def send(self, address: Address, message: Any) -> None:
         self.transport.send(self.place, address, message)
 
-    def broadcast(self, message: Any) -> None:
+    def broadcast(self, message: Any, *, best_effort: bool = False) -> None:
+        """Send ``message`` to every stage; ``best_effort``: skip stages whose rank is gone (an abort
+        or the end of a failed step must still reach the others)."""
         for stage in range(self.num_stages):
-            self.send((self.place_of_stage(stage), STAGE), message)
+            try:
+                self.send((self.place_of_stage(stage), STAGE), message)
+            except SmpartError:
+                if not best_effort:
+                    raise
 
     def report(self, finished: MicrobatchFinished) -> None:
         self.send(self.address, finished)
@@ -134,10 +140,10 @@ class StepRun:
 
     def _abort(self) -> None:
         self.aborted.set()
-        self.broadcast(Abort(self.step))
+        self.broadcast(Abort(self.step), best_effort=True)
 
     def _end(self, start: float, duration: float) -> Timeline:
-        self.broadcast(EndStep(self.step))
+        self.broadcast(EndStep(self.step), best_effort=True)
         reports: dict[int, StageReport] = {}
         deadline = time.monotonic() + min(self.timeout_s, 10.0)
         while len(reports) < self.num_stages and time.monotonic() < deadline:

@@ -240,3 +240,66 @@ def test_a_model_built_on_meta_is_materialised_per_rank_and_evaluates():
         assert devices == ["cpu", "meta"] and held > 0
         assert moved, "the optimizer made before placement trains the materialised parameters"
     assert sum(r[2] for r in results) == results[0][3]
+
+
+# ---------------------------------------------------------------------------- data parallelism
+def _data_parallel(rank, pp, name, schedule):
+    """pp x dp=2: each replica steps on its half of the global batch; the result equals the unsplit
+    model trained on the whole batch with the mean loss."""
+    microbatches, dp = 2, int(os.environ["WORLD_SIZE"]) // pp
+    example = ZOO[name](dtype=torch.float64)
+    reference = copy.deepcopy(example.model)
+    smpart.init(pipeline_parallel_degree=pp, microbatches=microbatches, pipeline=schedule, timeout_s=60)
+    assert (smpart.dp_size(), smpart.pp_size()) == (dp, pp)
+    model = smpart.DistributedModel(example.model)
+    opt = smpart.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    worst = 0.0
+    for step in range(3):
+        args, kwargs, target = example.batch(4 * dp, seed=step)
+        mine = slice(smpart.dp_rank() * 4, (smpart.dp_rank() + 1) * 4)
+        out = _zoo_step(model, example, [a[mine] for a in args], {k: v[mine] for k, v in kwargs.items()},
+                        target[mine])
+        expected = _reference_losses(reference, example, args, kwargs, target, microbatches * dp)
+        mine_mbs = expected[smpart.dp_rank() * microbatches:(smpart.dp_rank() + 1) * microbatches]
+        worst = max(worst, (out.stack() - mine_mbs).abs().max().item())
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    # Parameters must match; buffers (BatchNorm running statistics) are each replica's own, as with
+    # DDP without buffer broadcast: a replica only sees its half of the batch.
+    full = model.state_dict()
+    diffs = {k: (full[k] - v).abs().max().item() for k, v in reference.named_parameters()}
+    return max([worst, *diffs.values()]), sorted(k for k, d in diffs.items() if d > TOL)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("pp", "name", "schedule"), [(1, "gpt2", "1f1b"), (2, "moe", "gpipe"),
+                                                      (2, "resnet", "1f1b")])
+def test_data_parallel_replicas_train_like_the_unsplit_model_on_the_global_batch(pp, name, schedule):
+    for worst, differing in values(run_ranks(_data_parallel, 2 * pp, pp, name, schedule, timeout_s=280)):
+        assert worst <= TOL, (worst, differing)
+
+
+def _uneven_replicas(rank):
+    smpart.init(pipeline_parallel_degree=1, microbatches=1, timeout_s=30)
+    model = smpart.DistributedModel(torch.nn.Linear(4, 1))
+
+    @smpart.step
+    def step(model, x):
+        loss = model(x).sum()
+        model.backward(loss)
+        return loss
+
+    try:
+        step(model, torch.ones(4 + smpart.dp_rank(), 4))
+    except smpart.SmpartError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+def test_replicas_fed_batches_of_different_sizes_are_told_so():
+    for text in values(run_ranks(_uneven_replicas, 2, timeout_s=80)):
+        assert "different shapes" in text, text

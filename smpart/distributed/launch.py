@@ -75,6 +75,10 @@ class Setup:
     backend: str
     transport_group: Any
     created_default_group: bool
+    #: Collectives of smpart's own (gathering a state dict, barriers); never the transport's group.
+    collective_group: Any = None
+    #: This rank's data-parallel group: the same stage (and tensor-parallel rank) of every replica.
+    dp_group: Any = None
 
 
 def layout_for(config: Config, world_size: int) -> Layout:
@@ -119,7 +123,23 @@ def setup(config: Config) -> Setup:
     _check_same_config(config, rank, transport_group)
     layout = layout_for(config, world)
     device = torch.device("cuda", local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-    return Setup(rank, world, local_rank, layout, device, dist.get_backend(), transport_group, created)
+    collective_group = dist.new_group(backend="gloo")
+    return Setup(rank, world, local_rank, layout, device, dist.get_backend(), transport_group, created,
+                 collective_group, _data_parallel_group(layout, rank))
+
+
+def _data_parallel_group(layout: Layout, rank: int) -> Any:
+    """Every rank makes every data-parallel group (collectively, in one order) and keeps its own."""
+    if layout.dp == 1:
+        return None
+    mine = None
+    for pp in range(layout.pp):
+        for tp in range(layout.tp):
+            ranks = [layout.rank_of(pp, dp, tp) for dp in range(layout.dp)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+    return mine
 
 
 def teardown() -> None:

@@ -27,10 +27,15 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
 from smpart.config import Config
 from smpart.distributed.launch import Setup, setup
 from smpart.distributed.transport import ProcessTransport
-from smpart.errors import PipelineError, SmpartError
+from smpart.errors import ConfigError, PipelineError, SmpartError
+from smpart.runtime.data_parallel import GradientSync
 from smpart.runtime.messages import MAIN, STAGE, Address, Placed, PlaceModel, StepResult
 from smpart.runtime.placement import make_partition, pins_for, place_on_rank, unplace
 from smpart.runtime.stage import POLL_S, StageServer
@@ -128,17 +133,18 @@ class ProcessRuntime:
         self.config = config
         self.setup: Setup = setup(config)
         layout = self.setup.layout
-        if layout.tp != 1 or layout.dp != 1:
-            raise SmpartError("tensor and data parallelism are not wired into the process runtime yet: run "
-                              f"pipeline_parallel_degree = world size ({self.setup.world_size})")
+        if layout.tp != 1:
+            raise ConfigError("tensor parallelism is not wired into the process runtime yet: use "
+                              "smpart.tensor_parallel on its own, or tensor_parallel_degree=1")
         self.rank = self.setup.rank
         self.layout = layout
         self.num_stages = layout.pp
         self.stage, self.dp_rank, self.tp_rank = layout.coordinates(self.rank)
         self.driver_place = self.place_of_stage(0)
         self.is_driver = self.rank == self.driver_place
+        replica = [self.place_of_stage(s) for s in range(self.num_stages)]
         inner = ProcessTransport(self.rank, self.setup.world_size, self.setup.transport_group,
-                                 timeout_s=config.timeout_s)
+                                 timeout_s=config.timeout_s, peers=[r for r in replica if r != self.rank])
         self.transport = RoutedTransport(inner, self.rank)
         self.server = StageServer(self.stage, self.num_stages, self.rank, self.setup.device, self.transport,
                                   self.place_of_stage, rank=self.rank)
@@ -146,7 +152,10 @@ class ProcessRuntime:
             self.server.armed = math.inf  # its main thread is the step's coordinator
         self.servers = [self.server]
         #: The group `DistributedModel.state_dict` gathers over.
-        self.state_group = self.setup.transport_group
+        self.state_group = self.setup.collective_group
+        self._gradient_sync: GradientSync | None = None
+        if layout.dp > 1:
+            self.server.on_gradients_final = self._start_gradient_sync
         self.steps = itertools.count()
         self.models: dict[int, DistributedModel] = {}
         self.resident_bytes: dict[int, int] = {}
@@ -174,7 +183,9 @@ class ProcessRuntime:
         error: BaseException | None = None
         results = timeline = None
         try:
+            self._check_replicas_agree(pieces)
             results, timeline = StepRun(self, step, fn, pieces).execute()
+            self._finish_gradient_sync()
         except BaseException as err:
             error = err
             raise
@@ -204,11 +215,42 @@ class ProcessRuntime:
                     raise SmpartError(f"rank {self.rank} is at step {step} but the driver's rank finished "
                                       f"step {message.step}: every rank must call the step function the same "
                                       "number of times")
+                self._finish_gradient_sync()
                 if message.error is not None:
                     raise message.error
                 return message.results, message.timeline
         raise PipelineError(f"rank {self.rank} heard nothing for {timeout_s} s while waiting for step {step} "
                             "to end (a hang on another rank?)", rank=self.rank)
+
+    # ================================================================ data parallelism
+    def _start_gradient_sync(self, step: int) -> None:
+        seen: set[int] = set()
+        params = []
+        for model in self.models.values():
+            for param in model.module.parameters():
+                if param.requires_grad and param.device.type != "meta" and id(param) not in seen:
+                    seen.add(id(param))
+                    params.append(param)
+        self._gradient_sync = GradientSync(params, self.setup.dp_group, self.layout.dp)
+
+    def _finish_gradient_sync(self) -> None:
+        sync, self._gradient_sync = self._gradient_sync, None
+        if sync is not None:
+            sync.finish()
+
+    def _check_replicas_agree(self, pieces: list[tuple[tuple, dict]]) -> None:
+        """Data-parallel replicas must feed batches of one size: their gradients are averaged."""
+        if self.layout.dp == 1:
+            return
+        shapes = [tuple(t.shape) for piece in pieces for t in pytree.tree_leaves(piece)
+                  if isinstance(t, torch.Tensor)]
+        every: list[Any] = [None] * self.layout.dp
+        dist.all_gather_object(every, shapes, group=self.setup.dp_group)
+        if any(other != shapes for other in every):
+            sizes = {d: [s[0] if s else None for s in shape][:3] for d, shape in enumerate(every)}
+            raise SmpartError(f"the data-parallel replicas were fed batches of different shapes (first "
+                              f"dimensions by replica: {sizes}); every replica must step on a batch of the "
+                              "same size, since their gradients are averaged")
 
     # ================================================================ placement
     def ensure_placed(self, model: DistributedModel, args: tuple, kwargs: dict) -> None:

@@ -216,6 +216,9 @@ class StageServer:
         #: When the dispatcher last received a message (a rank waiting for a step to end uses it to
         #: tell a long step from a hung one).
         self.last_activity = time.monotonic()
+        #: Called on the dispatcher thread once every micro-batch of a step is released here (the
+        #: stage's gradients are final): data parallelism starts averaging them then.
+        self.on_gradients_final: Callable[[int], None] | None = None
         self._stopping = False
         self._handlers: dict[type, Callable[[Any], None]] = {
             BeginStep: self._on_begin, Request: self._on_request, Response: self._on_response,
@@ -339,6 +342,8 @@ class StageServer:
             run.served.pop(mb, None)
             run.sent.pop(mb, None)
             run.scheduler.microbatch_over(mb)
+            if len(run.released) == run.microbatches and self.on_gradients_final is not None:
+                self.on_gradients_final(run.step)
 
     def _on_abort(self, message: Abort) -> None:
         run = self.run

@@ -47,14 +47,18 @@ class Outbox:
 
 
 def dispatch(send: Send, posts: list, credit: Fraction, step: int, microbatch: int, home: Address) -> None:
-    """Send a segment's posts, each with an equal share of ``credit``; none: credit goes home."""
+    """Send a segment's posts, one message per endpoint, each with an equal share of ``credit``;
+    none: the credit goes home."""
     if not posts:
         if credit:
             send(home, Credit(step, microbatch, credit))
         return
-    share = credit / len(posts)
+    by_address: dict[Address, list] = {}
     for (address, call_id, to_outputs), grads in posts:
-        send(address, Gradients(step, microbatch, call_id, to_outputs, grads, share))
+        by_address.setdefault(address, []).append((call_id, to_outputs, grads))
+    share = credit / len(by_address)
+    for address, parts in by_address.items():
+        send(address, Gradients(step, microbatch, parts, share))
 
 
 def grad_mask(kept: list | None, forwarded: dict) -> tuple[int, ...]:
@@ -85,12 +89,12 @@ def backpropagate(served: CallRecords, sent: CallRecords, messages: list[Gradien
     """One backward segment: every message's gradients land on the tensors its call kept (the
     outputs this endpoint ``served``, or the arguments it ``sent``), in one ``backward`` call."""
     targets: dict[int, list] = {}
-    for message in messages:
-        records = served if message.to_outputs else sent
-        if message.call_id not in records:
+    for call_id, to_outputs, grads_by_index in (part for message in messages for part in message.parts):
+        records = served if to_outputs else sent
+        if call_id not in records:
             continue
-        _, kept = records[message.call_id]
-        for index, grad in message.grads.items():
+        _, kept = records[call_id]
+        for index, grad in grads_by_index.items():
             tensor = kept[index]
             if tensor is None:
                 continue
@@ -107,8 +111,8 @@ def backpropagate(served: CallRecords, sent: CallRecords, messages: list[Gradien
 
 def module_of(served: CallRecords, sent: CallRecords, messages: list[Gradients]) -> str | None:
     """The module whose call a failing segment worked for (to name it in the error)."""
-    for message in messages:
-        records = served if message.to_outputs else sent
-        if message.call_id in records:
-            return records[message.call_id][0]
+    for call_id, to_outputs, _ in (part for message in messages for part in message.parts):
+        records = served if to_outputs else sent
+        if call_id in records:
+            return records[call_id][0]
     return None

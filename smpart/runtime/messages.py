@@ -76,14 +76,17 @@ class Response:
 
 @dataclass(slots=True)
 class Gradients:
-    """Gradients (tensor index -> gradient) of the tensors call ``call_id`` kept: its outputs, for
-    the callee (``to_outputs``), or its arguments, for the caller."""
+    """Gradients for tensors one endpoint kept, from one backward segment: ``parts`` lists, per
+    call, ``(call_id, to_outputs, {tensor index: gradient})``: the call's outputs, for the callee
+    (``to_outputs``), or its arguments, for the caller.
+
+    Everything one segment posts to one endpoint travels in one message and is back-propagated in
+    one segment there. Sent apart, the two branches of a residual that cross stages would each run
+    the shared graph behind them, and the messages would double at every layer."""
 
     step: int
     microbatch: int
-    call_id: int
-    to_outputs: bool
-    grads: dict[int, Any]
+    parts: list[tuple[Any, bool, dict[int, Any]]]
     credit: Fraction
 
 

@@ -66,7 +66,7 @@ def payload_bytes(message: Any) -> int:
     elif type(message) is Response:
         value = message.output
     elif type(message) is Gradients:
-        value = message.grads
+        value = [grads for _, _, grads in message.parts]
     else:
         return 0
     return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))

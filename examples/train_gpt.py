@@ -1,0 +1,58 @@
+"""Train the zoo GPT with smpart: the same script on a laptop and on a cluster.
+
+    python -m examples.train_gpt --stages 2                       # every stage on threads
+    torchrun --nproc-per-node 2 -m examples.train_gpt             # one process per stage
+    torchrun --nproc-per-node 4 -m examples.train_gpt --stages 2  # 2 stages x 2 replicas
+
+Prints the loss every few steps (on the first rank) and the final loss as ``final loss <value>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+import smpart
+from examples.models import gpt2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    parser.add_argument("--stages", type=int, default=world if world > 1 else 2)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "simple", "interleaved"])
+    args = parser.parse_args()
+
+    torch.manual_seed(0)  # every rank builds the same weights and draws the same batches
+    example = gpt2()
+    smpart.init(pipeline_parallel_degree=args.stages, microbatches=args.microbatches, pipeline=args.schedule)
+    model = smpart.DistributedModel(example.model)
+    optimizer = smpart.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
+
+    @smpart.step
+    def train_step(model, tokens, targets):
+        loss = example.loss(model(tokens), targets)
+        model.backward(loss)
+        return loss
+
+    replicas, replica = smpart.dp_size(), smpart.dp_rank()
+    for step in range(args.steps):
+        (tokens,), _, targets = example.batch(8 * replicas, seed=step)
+        mine = slice(8 * replica, 8 * (replica + 1))  # each data-parallel replica takes its share
+        loss = train_step(model, tokens[mine], targets[mine]).reduce_mean()
+        optimizer.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        if smpart.rank() == 0 and (step % 5 == 0 or step == args.steps - 1):
+            print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
+    if smpart.rank() == 0:
+        print(f"final loss {loss.item():.6f}", flush=True)
+    smpart.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -306,3 +306,26 @@ def _uneven_replicas(rank):
 def test_replicas_fed_batches_of_different_sizes_are_told_so():
     for text in values(run_ranks(_uneven_replicas, 2, timeout_s=80)):
         assert "different shapes" in text, text
+
+
+def _clipped(rank, pp):
+    """Global gradient clipping over pp x dp: the norm of the whole model, each replica counted once."""
+    example = ZOO["gpt2"](dtype=torch.float64)
+    reference = copy.deepcopy(example.model)
+    smpart.init(pipeline_parallel_degree=pp, microbatches=2, timeout_s=60)
+    model = smpart.DistributedModel(example.model)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    dp = smpart.dp_size()
+    args, kwargs, target = example.batch(4 * dp, seed=0)
+    mine = slice(smpart.dp_rank() * 4, (smpart.dp_rank() + 1) * 4)
+    _zoo_step(model, example, [a[mine] for a in args], {}, target[mine])
+    _reference_losses(reference, example, args, kwargs, target, 2 * dp)
+    total = opt.clip_grad_norm_(0.05)
+    return total.item(), torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05).item()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("world", "pp"), [(2, 2), (4, 2)])
+def test_global_gradient_clipping_across_stages_and_replicas(world, pp):
+    for total, expected in values(run_ranks(_clipped, world, pp, timeout_s=110)):
+        assert abs(total - expected) <= 1e-9 * expected, (total, expected)

@@ -79,6 +79,8 @@ class Setup:
     collective_group: Any = None
     #: This rank's data-parallel group: the same stage (and tensor-parallel rank) of every replica.
     dp_group: Any = None
+    #: This rank's pipeline group: every stage of its own replica (same dp and tp coordinates).
+    pp_group: Any = None
 
 
 def layout_for(config: Config, world_size: int) -> Layout:
@@ -124,21 +126,26 @@ def setup(config: Config) -> Setup:
     layout = layout_for(config, world)
     device = torch.device("cuda", local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     collective_group = dist.new_group(backend="gloo")
+    dp_groups = [[layout.rank_of(pp, dp, tp) for dp in range(layout.dp)]
+                 for pp in range(layout.pp) for tp in range(layout.tp)]
+    pp_groups = [[layout.rank_of(pp, dp, tp) for pp in range(layout.pp)]
+                 for dp in range(layout.dp) for tp in range(layout.tp)]
     return Setup(rank, world, local_rank, layout, device, dist.get_backend(), transport_group, created,
-                 collective_group, _data_parallel_group(layout, rank))
+                 collective_group, _own_group(dp_groups, rank), _own_group(pp_groups, rank))
 
 
-def _data_parallel_group(layout: Layout, rank: int) -> Any:
-    """Every rank makes every data-parallel group (collectively, in one order) and keeps its own."""
-    if layout.dp == 1:
+def _own_group(groups: list[list[int]], rank: int) -> Any:
+    """Every rank makes every group of a kind (collectively, in one order) and keeps its own; none
+    when the groups are the whole world or single ranks."""
+    if len(groups[0]) == 1:
         return None
+    if len(groups) == 1:
+        return dist.group.WORLD
     mine = None
-    for pp in range(layout.pp):
-        for tp in range(layout.tp):
-            ranks = [layout.rank_of(pp, dp, tp) for dp in range(layout.dp)]
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                mine = group
+    for ranks in groups:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
     return mine
 
 

@@ -47,9 +47,11 @@ class DistributedOptimizer:
         from smpart.runtime.grad_clip import clip_grad_norm_
         from smpart.runtime.runtime import running_runtime
 
-        group = getattr(running_runtime(), "state_group", None)
-        params = [p for group_ in self.optimizer.param_groups for p in group_["params"]]
-        return clip_grad_norm_(params, max_norm, norm_type, groups=[group] if group is not None else None,
+        setup = getattr(running_runtime(), "setup", None)
+        pipeline = setup.pp_group if setup is not None else None  # this replica's stages, not the others
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        groups = [pipeline] if pipeline is not None else None
+        return clip_grad_norm_(params, max_norm, norm_type, groups=groups,
                                error_if_nonfinite=error_if_nonfinite)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -329,3 +329,43 @@ def _clipped(rank, pp):
 def test_global_gradient_clipping_across_stages_and_replicas(world, pp):
     for total, expected in values(run_ranks(_clipped, world, pp, timeout_s=110)):
         assert abs(total - expected) <= 1e-9 * expected, (total, expected)
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+def _tensor_parallel(rank, name):
+    """tp x dp with one stage: the automatic plan swaps in the tensor-parallel layers; training equals
+    the unsplit model on the global batch (parameters, AdamW, clipping)."""
+    dp = int(os.environ["WORLD_SIZE"]) // 2
+    torch.manual_seed(0)
+    example = ZOO[name](dtype=torch.float64)
+    reference = copy.deepcopy(example.model)
+    smpart.init(pipeline_parallel_degree=1, tensor_parallel_degree=2, microbatches=2, timeout_s=60)
+    assert (smpart.tp_size(), smpart.dp_size()) == (2, dp)
+    model = smpart.DistributedModel(example.model)
+    opt = smpart.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    norms = []
+    for step in range(3):
+        args, kwargs, target = example.batch(4 * dp, seed=step)
+        mine = slice(smpart.dp_rank() * 4, (smpart.dp_rank() + 1) * 4)
+        piece = {k: v[mine] for k, v in kwargs.items()}
+        _zoo_step(model, example, [a[mine] for a in args], piece, target[mine])
+        _reference_losses(reference, example, args, kwargs, target, 2 * dp)
+        norms.append((opt.clip_grad_norm_(1.0).item(),
+                      torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0).item()))
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    split = sorted(model.tensor_parallel_plan.styles())
+    full = model.state_dict()
+    worst = max((full[k] - v).abs().max().item() for k, v in reference.named_parameters())
+    return worst, max(abs(a - b) for a, b in norms), len(split)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_replicas_train_like_the_unsplit_model(world):
+    for worst, norm_diff, split in values(run_ranks(_tensor_parallel, world, "gpt2", timeout_s=190)):
+        assert split > 0, "the plan split something"
+        assert worst <= TOL and norm_diff <= 1e-9, (worst, norm_diff)

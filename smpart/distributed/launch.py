@@ -81,6 +81,8 @@ class Setup:
     dp_group: Any = None
     #: This rank's pipeline group: every stage of its own replica (same dp and tp coordinates).
     pp_group: Any = None
+    #: This rank's tensor-parallel group: the ranks sharing its stage in its replica.
+    tp_group: Any = None
 
 
 def layout_for(config: Config, world_size: int) -> Layout:
@@ -130,8 +132,11 @@ def setup(config: Config) -> Setup:
                  for pp in range(layout.pp) for tp in range(layout.tp)]
     pp_groups = [[layout.rank_of(pp, dp, tp) for pp in range(layout.pp)]
                  for dp in range(layout.dp) for tp in range(layout.tp)]
+    tp_groups = [[layout.rank_of(pp, dp, tp) for tp in range(layout.tp)]
+                 for pp in range(layout.pp) for dp in range(layout.dp)]
     return Setup(rank, world, local_rank, layout, device, dist.get_backend(), transport_group, created,
-                 collective_group, _own_group(dp_groups, rank), _own_group(pp_groups, rank))
+                 collective_group, _own_group(dp_groups, rank), _own_group(pp_groups, rank),
+                 _own_group(tp_groups, rank))
 
 
 def _own_group(groups: list[list[int]], rank: int) -> Any:

@@ -46,7 +46,7 @@ class GradientSync:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         for bucket in _buckets(taking, bucket_bytes):
-            flat = _flatten_dense_tensors([p.grad for p in bucket])
+            flat = _flatten_dense_tensors([_local(p.grad) for p in bucket])
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             self.buckets.append((bucket, flat, work))
 
@@ -55,10 +55,15 @@ class GradientSync:
         for bucket, flat, work in self.buckets:
             work.wait()
             flat /= self.size
-            averages = _unflatten_dense_tensors(flat, [p.grad for p in bucket])
+            averages = _unflatten_dense_tensors(flat, [_local(p.grad) for p in bucket])
             for p, averaged in zip(bucket, averages, strict=True):
-                p.grad.copy_(averaged)
+                _local(p.grad).copy_(averaged)
         self.buckets.clear()
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel gradient's own shard (a DTensor's local tensor), else the gradient."""
+    return grad.to_local() if hasattr(grad, "to_local") else grad
 
 
 def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
@@ -66,7 +71,7 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Para
     current: list[nn.Parameter] = []
     size = 0
     for p in params:
-        nbytes = p.grad.numel() * p.grad.element_size()
+        nbytes = _local(p.grad).numel() * p.grad.element_size()
         if current and (size + nbytes > bucket_bytes or p.grad.dtype != current[0].grad.dtype):
             buckets.append(current)
             current, size = [], 0

@@ -93,7 +93,7 @@ class DistributedModel:
 
         Under ``torchrun`` this is collective: every rank must call it, and every rank gets the
         whole dict (each rank contributes its own stage's entries)."""
-        local = {k: v.detach().cpu() for k, v in self.local_state_dict().items()}
+        local = {k: _full(v).detach().cpu() for k, v in self.local_state_dict().items()}
         group = getattr(self._runtime, "state_group", None)
         if group is None:
             return local
@@ -138,6 +138,11 @@ class DistributedModel:
 
     def __repr__(self) -> str:
         return f"DistributedModel({self.module.__class__.__name__}, partition={self._partition!r})"
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel shard gathered whole (collective over its tensor-parallel group)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def _driver() -> Driver | None:

@@ -48,11 +48,13 @@ class DistributedOptimizer:
         from smpart.runtime.runtime import running_runtime
 
         setup = getattr(running_runtime(), "setup", None)
-        pipeline = setup.pp_group if setup is not None else None  # this replica's stages, not the others
+        # This replica's stages and tensor-parallel shards; never the other replicas (same gradients).
+        groups = [g for g in (setup.pp_group, setup.tp_group) if g is not None] if setup is not None else []
+        tensor_parallel = setup.tp_group if setup is not None else None
+        self._adopt_replaced_parameters()
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        groups = [pipeline] if pipeline is not None else None
-        return clip_grad_norm_(params, max_norm, norm_type, groups=groups,
-                               error_if_nonfinite=error_if_nonfinite)
+        return clip_grad_norm_(params, max_norm, norm_type, groups=groups or None,
+                               replicated_over=tensor_parallel, error_if_nonfinite=error_if_nonfinite)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

@@ -24,6 +24,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -133,9 +134,10 @@ class ProcessRuntime:
         self.config = config
         self.setup: Setup = setup(config)
         layout = self.setup.layout
-        if layout.tp != 1:
-            raise ConfigError("tensor parallelism is not wired into the process runtime yet: use "
-                              "smpart.tensor_parallel on its own, or tensor_parallel_degree=1")
+        if layout.tp != 1 and layout.pp != 1:
+            raise ConfigError("tensor parallelism combined with pipeline parallelism is not supported yet "
+                              "(the tensor-parallel ranks of a stage must run its work in one order): use "
+                              "pipeline_parallel_degree=1 with tensor_parallel_degree > 1, or tp = 1")
         self.rank = self.setup.rank
         self.layout = layout
         self.num_stages = layout.pp
@@ -163,7 +165,9 @@ class ProcessRuntime:
         self._step_lock = threading.Lock()
 
     def place_of_stage(self, stage: int) -> int:
-        return self.layout.rank_of(stage, self.dp_rank, 0)
+        """The rank of ``stage`` in this rank's replica, with this rank's tensor-parallel index (each
+        tensor-parallel rank talks to its peers: their messages are the same)."""
+        return self.layout.rank_of(stage, self.dp_rank, self.tp_rank)
 
     # ================================================================ steps
     def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]]) -> tuple[list[Any], Any]:
@@ -308,11 +312,29 @@ class ProcessRuntime:
             raise error
 
     def _place(self, model: DistributedModel, partition: Any) -> None:
+        if self.layout.tp > 1:
+            self._split_for_tensor_parallelism(model)
         kept = place_on_rank(model.module, model.model_id, partition, self.server)
         self.resident_bytes[model.model_id] = kept
         model._partition = partition
         model._runtime = self
         self.models[model.model_id] = model
+
+    def _split_for_tensor_parallelism(self, model: DistributedModel) -> None:
+        """Swap in the tensor-parallel layers the automatic plan chooses; parameters that become
+        shards are new objects, which `DistributedOptimizer` adopts (`placement.REPLACED`)."""
+        from smpart.runtime.placement import REPLACED
+        from smpart.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel
+
+        before = dict(model.module.named_parameters())
+        plan = plan_tensor_parallel(model.module, self.layout.tp)
+        apply_tensor_parallel(model.module, plan, self.setup.tp_group)
+        after = dict(model.module.named_parameters())
+        for name, old in before.items():
+            new = after.get(name)
+            if new is not None and new is not old:
+                REPLACED[id(old)] = (weakref.ref(old), new)
+        model.tensor_parallel_plan = plan
 
     # ================================================================ the end
     def shutdown(self, timeout_s: float = 10.0) -> list[str]:

@@ -43,6 +43,7 @@ and Adam's two moments (4 + 4 + 4), the mixed-precision Adam figure of ZeRO and 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -165,8 +166,12 @@ class CostModel:
         self.cluster = cluster
         self.options = options or CostOptions()
         opts = self.options
+        names = {"gpipe": "simple", "1f1b": "interleaved"}  # the runtime's names for SMP's two schedules
+        if opts.pipeline in names:
+            opts = self.options = dataclasses.replace(opts, pipeline=names[opts.pipeline])
         if opts.pipeline not in ("interleaved", "simple"):
-            raise PlanError(f"pipeline must be 'interleaved' or 'simple', got {opts.pipeline!r}")
+            raise PlanError("pipeline must be 'gpipe' ('simple') or '1f1b' ('interleaved'), "
+                            f"got {opts.pipeline!r}")
         per_sample = 1.0 / max(opts.trace_batch, 1)
         measured = layers.tree.compute_unit == "time"
         if measured:

@@ -7,19 +7,29 @@ the timeline's bubble fraction, medians over several steps. ``time.sleep`` itsel
 little, so the ratio to the ideal computed from the sleep times measured on this machine (outside
 the runtime) is printed too: that one is the runtime's own overhead.
 
-    .venv/bin/python bench/pipeline_efficiency.py [--t-ms 5] [--microbatches 16] [--steps 5]
+Twice: the stages on threads of this process, and on one process per stage (gloo, spawned from
+this script, one intra-op thread each; step times of the driver's rank), alternating round by
+round so that a change in the machine's load hits both alike. The root module (the loop over the
+blocks) lives on stage 0, as smpart places it.
+
+    .venv/bin/python bench/pipeline_efficiency.py [--t-ms 5] [--microbatches 16] [--steps 5] [--rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
-import smpart
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import smpart  # noqa: E402
+from bench.processes import RankPool  # noqa: E402
 
 
 class SleepKernel(torch.autograd.Function):
@@ -64,21 +74,32 @@ def train_step(model, x):
 
 
 def measure(schedule: str, stages: int, microbatches: int, seconds: float,
-            steps: int) -> tuple[float, float, str]:
+            steps: int, where: str = "threads") -> tuple[list[float], list[float], str]:
+    """Step times and bubble fractions of ``steps`` steps (after a placing one), and where the
+    last step's timeline was saved."""
     smpart.init(pipeline_parallel_degree=stages, microbatches=microbatches, pipeline=schedule,
-                pin={f"blocks.{i}": i for i in range(stages)})
-    model = smpart.DistributedModel(SleepPipeline(stages, seconds))
-    x = torch.randn(microbatches * 2, 8)
-    train_step(model, x)  # first step: trace, partition, place
-    times, bubbles = [], []
-    for _ in range(steps):
-        start = time.perf_counter()
-        out = train_step(model, x)
-        times.append(time.perf_counter() - start)
-        bubbles.append(out.timeline.bubble_fraction)
-    path = out.timeline.save(f"/tmp/smpart_sleep_{schedule}.json")
-    smpart.shutdown()
-    return statistics.median(times), statistics.median(bubbles), path
+                pin={f"blocks.{i}": i for i in range(stages)}, timeout_s=120)
+    try:
+        model = smpart.DistributedModel(SleepPipeline(stages, seconds))
+        x = torch.randn(microbatches * 2, 8)
+        train_step(model, x)  # first step: trace, partition, place
+        times, bubbles = [], []
+        for _ in range(steps):
+            start = time.perf_counter()
+            out = train_step(model, x)
+            times.append(time.perf_counter() - start)
+            bubbles.append(out.timeline.bubble_fraction)
+        path = f"/tmp/smpart_sleep_{schedule}_{where}.json"
+        if smpart.rank() == 0:
+            out.timeline.save(path)
+        return times, bubbles, path
+    finally:
+        smpart.shutdown()
+
+
+def on_rank(rank: int, *args) -> tuple[list[float], list[float], str] | None:
+    result = measure(*args, where="processes")
+    return result if rank == 0 else None
 
 
 def slept_seconds(seconds: float, samples: int = 40) -> float:
@@ -100,6 +121,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of threads and processes")
     a = parser.parse_args()
     t = a.t_ms / 1e3
     ideal = (a.microbatches + a.stages - 1) * 3 * t
@@ -110,11 +132,23 @@ def main() -> None:
     measured_ideal = (a.microbatches + a.stages - 1) * kernels_s
     print(f"  time.sleep(t) + time.sleep(2t) take {kernels_s * 1e3:.2f} ms here, not {3 * a.t_ms:.1f}: "
           f"ideal makespan from the measured kernel times {measured_ideal * 1e3:.1f} ms")
-    for schedule in ("simple", "interleaved"):
-        step_s, bubble, path = measure(schedule, a.stages, a.microbatches, t, a.steps)
-        print(f"  {schedule:<12} step {step_s * 1e3:6.1f} ms  bubble {bubble:5.1%}  timeline {path}")
-        print(f"  {'':<12} step / ideal from nominal t:                 {step_s / ideal:5.3f}  (goal 1.05)")
-        print(f"  {'':<12} step / ideal from the measured kernel times: {step_s / measured_ideal:5.3f}  "
+    torch.set_num_threads(1)
+    results: dict[tuple[str, str], tuple[list[float], list[float], str]] = {}
+    with RankPool(a.stages) as pool:
+        for _ in range(a.rounds):
+            for schedule in ("gpipe", "1f1b"):
+                for where in ("threads", "processes"):
+                    args = (schedule, a.stages, a.microbatches, t, a.steps)
+                    got = measure(*args) if where == "threads" else pool.run(on_rank, *args)[0]
+                    old = results.get((where, schedule), ([], [], ""))
+                    results[(where, schedule)] = (old[0] + got[0], old[1] + got[1], got[2])
+    ordered = sorted(results.items(), key=lambda kv: kv[0][0] != "threads")
+    for (where, schedule), (times, bubbles, path) in ordered:
+        step_s, bubble = statistics.median(times), statistics.median(bubbles)
+        print(f"  {where:<9} {schedule:<5} step {step_s * 1e3:6.1f} ms (median of {len(times)})  "
+              f"bubble {bubble:5.1%}  timeline {path}")
+        print(f"  {'':<15} step / ideal from nominal t:                 {step_s / ideal:5.3f}  (goal 1.05)")
+        print(f"  {'':<15} step / ideal from the measured kernel times: {step_s / measured_ideal:5.3f}  "
               "(the runtime's own overhead)")
 
 if __name__ == "__main__":

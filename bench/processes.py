@@ -1,0 +1,375 @@
+"""smpart on one process per stage against torch.distributed.pipelining, threads and the unsplit model.
+
+The same MLP (8 blocks of Linear 256->1024, GELU, Linear 1024->256, then a head Linear 256->10),
+float32, batch 512, 4 micro-batches, cross-entropy, forward + backward + SGD step, split in 2 at
+the same layer (blocks 0-3 on stage 0, blocks 4-7 and the head on stage 1), one intra-op thread
+per rank (and per process on threads), trained five ways in one run of this script:
+
+- ``smpart procs``: smpart on 2 processes (gloo), ``pipeline="1f1b"`` and ``"gpipe"``;
+- ``torch procs``: torch.distributed.pipelining's ``Schedule1F1B`` / ``ScheduleGPipe`` over two
+  hand-built ``PipelineStage``\\ s on the same 2 processes (gloo);
+- ``smpart threads``: smpart on threads of this process (2 stages);
+- ``unsplit``: the whole model in this process, on the full batch and over the 4 micro-batches
+  one after the other (the pipeline's own work without a pipeline);
+- diagnostic, ``smpart procs / 1f1b halves``: the same layers and weights grouped into two
+  ``nn.Sequential`` halves (`Halves`), so the root makes one cross-stage call per micro-batch
+  instead of one per block of stage 1 (``--no-halves`` skips it).
+
+Besides wall-clock medians, the table gives the CPU time every thread of every process of a
+configuration used per step: the work done, much less sensitive to the machine's load.
+
+The two worker processes are spawned once (`RankPool`) and stay up; the configurations alternate
+round by round (the order of the process ones rotates), so a change in the machine's load hits
+them alike. Each round of each configuration initialises afresh, warms up, and times ``--steps``
+steps on rank 0 (the driver); medians over all rounds. The ideal pipelined step of 2 perfectly
+balanced stages is ``(m + 1) / (2 m)`` of the micro-batched unsplit step (``m`` micro-batches).
+
+    .venv/bin/python bench/processes.py [--rounds 3] [--steps 7] [--warmup 3]
+
+`RankPool` is also what `bench/overhead.py` and `bench/pipeline_efficiency.py` launch processes with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import queue
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import smpart  # noqa: E402
+
+
+# ================================================================================= launcher
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve(rank: int, world_size: int, port: int, inbox: Any, results: Any, idle_s: float) -> None:
+    """A worker: join the gloo job, then run the commands the parent sends until told to stop."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        while True:
+            try:
+                command = inbox.get(timeout=idle_s)
+            except queue.Empty:
+                return  # the parent went away without saying goodbye
+            if command is None:
+                return
+            fn, args = command
+            try:
+                results.put((rank, fn(rank, *args), None))
+            except BaseException as err:  # noqa: BLE001 - reported to the parent
+                results.put((rank, None, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+                return
+    finally:
+        with contextlib.suppress(Exception):
+            smpart.shutdown()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` spawned processes in one gloo job (the parent hosts the store, as torchrun's
+    agent does), kept up between commands: ``pool.run(fn, *args)`` calls ``fn(rank, *args)`` on
+    every rank (``fn`` must be a module-level function) and returns the per-rank results; every
+    wait is bounded and `close` joins (or kills) every process."""
+
+    def __init__(self, world_size: int, idle_s: float = 900.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        port = _free_port()
+        self._store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False)
+        self._results = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [ctx.Process(target=_serve, daemon=True, name=f"bench-rank-{r}",
+                                   args=(r, world_size, port, self._inboxes[r], self._results, idle_s))
+                       for r in range(world_size)]
+        for proc in self._procs:
+            proc.start()
+
+    def run(self, fn: Any, *args: Any, timeout_s: float = 300.0) -> list[Any]:
+        for inbox in self._inboxes:
+            inbox.put((fn, args))
+        out: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(out) < self.world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(self.world_size)) - set(out))
+                raise TimeoutError(f"{fn.__name__}: ranks {missing} did not answer within {timeout_s:.0f} s")
+            try:
+                rank, value, error = self._results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [p.name for p in self._procs if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"{fn.__name__}: {dead} died") from None
+                continue
+            if error is not None:
+                raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{error}")
+            out[rank] = value
+        return [out[r] for r in range(self.world_size)]
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        for inbox in self._inboxes:
+            with contextlib.suppress(Exception):
+                inbox.put(None)
+        deadline = time.monotonic() + timeout_s
+        for proc in self._procs:
+            proc.join(max(0.1, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ================================================================================= the model
+WIDTH, HIDDEN, BLOCKS, CLASSES = 256, 1024, 8, 10
+BATCH, MICROBATCHES, STAGES = 512, 4, 2
+PINS = {"": 0, "head": 1, **{f"blocks.{i}": 0 if i < BLOCKS // 2 else 1 for i in range(BLOCKS)}}
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.GELU(),
+                                                  nn.Linear(HIDDEN, WIDTH)) for _ in range(BLOCKS))
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_model() -> MLP:
+    torch.manual_seed(0)  # every rank builds the same weights
+    return MLP()
+
+
+class Halves(nn.Module):
+    """Diagnostic: the same layers (same weights) grouped into two ``nn.Sequential`` halves, so the
+    root makes one cross-stage call per micro-batch (a chain's one activation each way) instead
+    of one per block of stage 1: what the MLP would cost if outputs stayed on the stage that made
+    them."""
+
+    def __init__(self, mlp: MLP) -> None:
+        super().__init__()
+        half = BLOCKS // 2
+        self.first = nn.Sequential(*mlp.blocks[:half])
+        self.second = nn.Sequential(*mlp.blocks[half:], mlp.head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+HALVES_PINS = {"": 0, "first": 0, "second": 1, **{f"first.{i}": 0 for i in range(BLOCKS // 2)},
+               **{f"second.{i}": 1 for i in range(BLOCKS // 2 + 1)}}
+
+
+def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
+
+
+@smpart.step
+def smpart_step(model, x, y):
+    loss = F.cross_entropy(model(x), y)
+    model.backward(loss)
+    return loss
+
+
+def _timed(one_step: Any, warmup: int, steps: int, cpu: list[float] | None = None) -> list[float]:
+    """Wall-clock seconds of each of ``steps`` steps after ``warmup``; appends to ``cpu`` the CPU
+    seconds per step this whole process (every thread) used meanwhile."""
+    for _ in range(warmup):
+        one_step()
+    times = []
+    cpu_start = time.process_time()
+    for _ in range(steps):
+        start = time.perf_counter()
+        one_step()
+        times.append(time.perf_counter() - start)
+    if cpu is not None:
+        cpu.append((time.process_time() - cpu_start) / steps)
+    return times
+
+
+def run_smpart(rank: int | None, schedule: str, warmup: int, steps: int,
+               halves: bool = False) -> dict[str, Any]:
+    """smpart's step on whatever this process is (a rank of the pool, or threads when ``rank`` is
+    None); step times are those of the driver (rank 0)."""
+    pins = HALVES_PINS if halves else PINS
+    smpart.init(pipeline_parallel_degree=STAGES, microbatches=MICROBATCHES, pipeline=schedule, pin=pins,
+                timeout_s=120)
+    try:
+        model = smpart.DistributedModel(Halves(make_model()) if halves else make_model())
+        opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+        x, y = make_batch()
+        last: list[Any] = []
+
+        def one_step() -> None:
+            out = smpart_step(model, x, y)
+            opt.step()
+            opt.zero_grad()
+            last[:] = [out]
+
+        cpu: list[float] = []
+        times = _timed(one_step, warmup, steps, cpu)
+        stages = smpart.partition_of(model).module_stages()
+        assert all(stages[name] == stage for name, stage in pins.items() if name), "pins not honoured"
+        return {"times": times, "bytes_sent": dict(last[0].timeline.bytes_sent),
+                "loss": last[0].reduce_mean().item(), "cpu": cpu[0]}
+    finally:
+        smpart.shutdown()
+
+
+def run_torch(rank: int, schedule: str, warmup: int, steps: int) -> dict[str, Any]:
+    """torch.distributed.pipelining over hand-built stages on the pool's default (gloo) group."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    full = make_model()
+    half = BLOCKS // 2
+    if rank == 0:
+        module: nn.Module = nn.Sequential(*full.blocks[:half])
+    else:
+        module = nn.Sequential(*full.blocks[half:], full.head)
+    stage = PipelineStage(module, rank, STAGES, torch.device("cpu"))
+    kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+    sched = kind(stage, MICROBATCHES, loss_fn=F.cross_entropy)
+    opt = torch.optim.SGD(module.parameters(), lr=0.01)
+    x, y = make_batch()
+    losses: list[torch.Tensor] = []
+
+    def one_step() -> None:
+        if rank == 0:
+            sched.step(x)
+        else:
+            losses.clear()
+            sched.step(target=y, losses=losses)
+        opt.step()
+        opt.zero_grad()
+
+    dist.barrier()
+    cpu: list[float] = []
+    times = _timed(one_step, warmup, steps, cpu)
+    dist.barrier()
+    return {"times": times, "loss": torch.stack(losses).mean().item() if losses else None, "cpu": cpu[0]}
+
+
+def run_unsplit(warmup: int, steps: int, microbatched: bool, cpu: list[float] | None = None) -> list[float]:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = make_batch()
+
+    def one_step() -> None:
+        if microbatched:
+            for xs, ys in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True):
+                (F.cross_entropy(model(xs), ys) / MICROBATCHES).backward()
+        else:
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return _timed(one_step, warmup, steps, cpu)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:7.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=7, help="timed steps per configuration and round")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-halves", dest="halves", action="store_false",
+                        help="skip the diagnostic run of the same layers grouped in two halves")
+    a = parser.parse_args()
+    torch.set_num_threads(1)
+    proc_configs = [("smpart procs", "1f1b"), ("torch procs", "1f1b"), ("smpart procs", "gpipe"),
+                    ("torch procs", "gpipe")]
+    if a.halves:
+        proc_configs.append(("smpart procs", "1f1b halves"))
+    times: dict[tuple[str, str], list[float]] = {}
+    cpu: dict[tuple[str, str], list[float]] = {}  # CPU seconds per step, all processes of the config
+    extra: dict[tuple[str, str], dict[str, Any]] = {}
+    print(f"MLP {BLOCKS} x ({WIDTH}->{HIDDEN}->{WIDTH}) + head, batch {BATCH}, {MICROBATCHES} micro-batches, "
+          f"2 stages, 1 intra-op thread per process; {a.rounds} rounds x {a.steps} timed steps "
+          f"(after {a.warmup} warm-up) per configuration")
+    with RankPool(STAGES) as pool:
+        for r in range(a.rounds):
+            order = proc_configs[r % len(proc_configs):] + proc_configs[:r % len(proc_configs)]
+            for name, schedule in order:
+                fn = run_smpart if name.startswith("smpart") else run_torch
+                args = (schedule.split()[0], a.warmup, a.steps) + ((True,) if "halves" in schedule else ())
+                results = pool.run(fn, *args)
+                result = results[0]
+                times.setdefault((name, schedule), []).extend(result["times"])
+                cpu.setdefault((name, schedule), []).append(sum(r["cpu"] for r in results))
+                extra[(name, schedule)] = result
+            for schedule in ("1f1b", "gpipe"):
+                result = run_smpart(None, schedule, a.warmup, a.steps)
+                times.setdefault(("smpart threads", schedule), []).extend(result["times"])
+                cpu.setdefault(("smpart threads", schedule), []).append(result["cpu"])
+                extra[("smpart threads", schedule)] = result
+            for microbatched in (False, True):
+                key = ("unsplit", "4 micro-batches" if microbatched else "full batch")
+                used: list[float] = []
+                times.setdefault(key, []).extend(run_unsplit(a.warmup, a.steps, microbatched, used))
+                cpu.setdefault(key, []).extend(used)
+            print(f"  round {r + 1}/{a.rounds} done", flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    micro = med[("unsplit", "4 micro-batches")]
+    ideal = micro * (MICROBATCHES + STAGES - 1) / (MICROBATCHES * STAGES)
+    print(f"\n{'configuration':<16} {'schedule':<16} {'median ms':>9} {'min ms':>8} {'max ms':>8} "
+          f"{'/ ideal':>8} {'n':>4} {'CPU ms/step':>11}")
+    for key, values in times.items():
+        print(f"{key[0]:<16} {key[1]:<16} {_ms(med[key]):>9} {_ms(min(values)):>8} {_ms(max(values)):>8} "
+              f"{med[key] / ideal:8.3f} {len(values):>4} {_ms(statistics.median(cpu[key])):>11}")
+    print("(CPU ms/step: CPU time of every thread of every process of the configuration, per step: "
+          "the work done, whatever the machine's load)")
+    print(f"ideal 2-stage step ((m + 1) / 2m x the micro-batched unsplit step): {ideal * 1e3:.1f} ms")
+    for schedule, torch_name in (("1f1b", "Schedule1F1B"), ("gpipe", "ScheduleGPipe")):
+        ratio = med[("smpart procs", schedule)] / med[("torch procs", schedule)]
+        print(f"smpart processes / torch {torch_name}: {ratio:.3f}  (goal <= 1.0)")
+    for schedule in ("1f1b", "gpipe"):
+        ratio = med[("smpart procs", schedule)] / med[("smpart threads", schedule)]
+        print(f"smpart processes / smpart threads ({schedule}): {ratio:.3f}")
+    sent = extra[("smpart procs", "1f1b")]["bytes_sent"]
+    print(f"smpart bytes between stages per step (processes, 1f1b): {sent}; activation "
+          f"{BATCH} x {WIDTH} x 4 B = {BATCH * WIDTH * 4} each way")
+    if ("smpart procs", "1f1b halves") in med:
+        ratio = med[("smpart procs", "1f1b halves")] / med[("torch procs", "1f1b")]
+        print(f"diagnostic, the same layers in two halves (one cross-stage call per micro-batch) / torch "
+              f"Schedule1F1B: {ratio:.3f}; bytes {extra[('smpart procs', '1f1b halves')]['bytes_sent']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -162,7 +162,8 @@ def _receive(transport: ProcessTransport, rank: int, timeout: float = 30.0) -> A
 
 
 @pytest.mark.parametrize("seq", [0, 1, 5, 70])  # 70: a header longer than the first frame
-def test_wire_round_trip_without_processes(seq: int) -> None:
+def test_wire_round_trip_without_processes(seq: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wire, "INLINE_BYTES", -1)  # every tensor out of band, as big ones travel
     payload = _payload(1, seq)
     payload["grad"] = torch.ones(2, requires_grad=True) * 2
     header, tensors = wire.pack(Packet(1, seq, payload))
@@ -183,6 +184,20 @@ def test_wire_round_trip_without_processes(seq: int) -> None:
     assert packet.payload["twice"][0] is packet.payload["twice"][1]
     assert len(tensors) == 7  # the shared one once
     assert wire.frame_length(wire.frame(None)[0]) == wire.GOODBYE
+
+
+def test_small_tensors_travel_inside_the_header() -> None:
+    shared = torch.tensor(3.5)
+    message = {"loss": shared, "again": shared, "grad": torch.ones(2, 3, requires_grad=True) * 2,
+               "half": torch.ones(3, dtype=torch.bfloat16), "empty": torch.empty(0, 4),
+               "big": torch.ones(1000)}
+    header, tensors, inline = wire.pack_counted(message)
+    assert len(tensors) == 1 and inline == 4 + 24 + 6  # the shared scalar counted once
+    _, body = wire.unpack(header)
+    received = wire.rebuild(body, [torch.ones(1000)])
+    assert received["loss"] is received["again"] and received["loss"].item() == 3.5
+    assert torch.equal(received["grad"], torch.full((2, 3), 2.0)) and not received["grad"].requires_grad
+    assert received["half"].dtype == torch.bfloat16 and received["empty"].shape == (0, 4)
 
 
 def test_wire_refuses_tensors_without_plain_data() -> None:

@@ -249,7 +249,7 @@ class ProcessTransport:
             return
         self._check_peer(place)
         try:
-            header, tensors = wire.pack(message)
+            header, tensors, inline = wire.pack_counted(message)
         except SmpartError:
             raise
         except Exception as err:
@@ -257,7 +257,7 @@ class ProcessTransport:
                 f"cannot send a {type(message).__name__} to rank {place}: it does not pickle ({err}). "
                 "Messages between processes must be picklable: plain data, dataclasses, tensors"
             ) from err
-        self._outbox.put((place, header, tensors))
+        self._outbox.put((place, header, tensors, inline))
 
     def receive(self, place: int, timeout: float) -> Any | None:
         """The next message for this rank, or None after ``timeout`` seconds (0: do not wait)."""
@@ -399,16 +399,16 @@ class ProcessTransport:
             item = self._outbox.get()
             if item is _CLOSE:
                 break
-            place, header, tensors = item
+            place, header, tensors, inline = item
             if place in self.lost or self._released:
                 continue
             try:
-                self._send_message(place, header, tensors)
+                self._send_message(place, header, tensors, inline)
             except Exception as err:
                 self._lose(place, f"sending to it failed: {_brief(err)}")
         self._say_goodbye()
 
-    def _send_message(self, place: int, header: bytes, tensors: list[torch.Tensor]) -> None:
+    def _send_message(self, place: int, header: bytes, tensors: list[torch.Tensor], inline: int = 0) -> None:
         frame, tail = wire.frame(header)
         header_group = self._header_group
         self._wait(dist.isend(frame, dst=place, group=header_group, tag=TAG_FRAME), header_group)
@@ -416,7 +416,7 @@ class ProcessTransport:
             self._wait(dist.isend(tail, dst=place, group=header_group, tag=TAG_TAIL), header_group)
         group = self._pair_group(self.rank, place)
         device = self._device if id(group) in self._nccl else torch.device("cpu")
-        sent = 0
+        sent = inline  # small tensors travelled inside the header
         for tensor in tensors:
             data = wire.to_wire(tensor, device)
             if data.numel():

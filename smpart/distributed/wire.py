@@ -48,22 +48,36 @@ _DTYPE_NAME = {d: str(d).removeprefix("torch.") for d in vars(torch).values() if
 _DTYPE = {name: dtype for dtype, name in _DTYPE_NAME.items()}
 
 
+#: A CPU tensor this small travels inside the header: a separate transfer (a handshake with the
+#: receiver each) would cost far more than its bytes (a loss, a small gradient, a routing index).
+INLINE_BYTES = 1024
+
+
 class _TensorPickler(pickle.Pickler):
-    """Pickles an object graph, replacing each tensor by its index in ``self.tensors``."""
+    """Pickles an object graph, replacing each tensor by its index in ``self.tensors``, or, for a
+    small CPU tensor, by its bytes (``("inline", token, data, shape, dtype)``)."""
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
-        self._index: dict[int, int] = {}
+        self.inline_bytes = 0
+        self._index: dict[int, Any] = {}
 
-    def persistent_id(self, obj: Any) -> int | None:
+    def persistent_id(self, obj: Any) -> Any:
         if not isinstance(obj, torch.Tensor):
             return None
         index = self._index.get(id(obj))
         if index is None:
             _check_sendable(obj)
-            index = self._index[id(obj)] = len(self.tensors)
-            self.tensors.append(obj)
+            size = obj.numel() * obj.element_size()
+            if obj.device.type == "cpu" and size <= INLINE_BYTES:
+                data = bytes(to_wire(obj.detach()).numpy()) if size else b""
+                index = ("inline", len(self._index), data, tuple(obj.shape), _DTYPE_NAME[obj.dtype])
+                self.inline_bytes += size
+            else:
+                index = len(self.tensors)
+                self.tensors.append(obj)
+            self._index[id(obj)] = index
         return index
 
 
@@ -73,9 +87,18 @@ class _TensorUnpickler(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
         super().__init__(file)
         self._tensors = tensors
+        self._inline: dict[int, torch.Tensor] = {}
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
-        return self._tensors[pid]
+        if type(pid) is not tuple:
+            return self._tensors[pid]
+        _, token, data, shape, dtype_name = pid
+        tensor = self._inline.get(token)
+        if tensor is None:  # the first time this tensor appears in the message
+            spec = (shape, _DTYPE[dtype_name])
+            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else empty_for(spec)
+            tensor = self._inline[token] = from_wire(buffer, spec)
+        return tensor
 
 
 def _check_sendable(tensor: torch.Tensor) -> None:
@@ -100,12 +123,18 @@ def pack(message: Any) -> tuple[bytes, list[torch.Tensor]]:
 
     Raises whatever pickling raises (the caller wraps it) or `SmpartError` for unsendable tensors.
     """
+    header, tensors, _ = pack_counted(message)
+    return header, tensors
+
+
+def pack_counted(message: Any) -> tuple[bytes, list[torch.Tensor], int]:
+    """`pack`, and the bytes of the tensors that went inside the header."""
     buffer = io.BytesIO()
     pickler = _TensorPickler(buffer)
     pickler.dump(message)
     specs = [(tuple(t.shape), _DTYPE_NAME[t.dtype]) for t in pickler.tensors]
     header = pickle.dumps((specs, buffer.getvalue()), protocol=pickle.HIGHEST_PROTOCOL)
-    return header, pickler.tensors
+    return header, pickler.tensors, pickler.inline_bytes
 
 
 def unpack(header: bytes) -> tuple[list[TensorSpec], bytes]:

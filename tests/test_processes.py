@@ -18,27 +18,15 @@ import torch.nn.functional as F
 import smpart
 from examples.models import ZOO
 from tests.launch import run_ranks, values
+from tests.test_runtime import reference_step, train_step
 from tests.test_runtime_placement import Nested, SharedUse, TiedEncoderDecoder
 
 TOL = 1e-6
 
 
-def _reference_losses(model, example, args, kwargs, target, microbatches):
-    losses = []
-    for i in range(microbatches):
-        a = [x.chunk(microbatches)[i] for x in args]
-        k = {n: v.chunk(microbatches)[i] for n, v in kwargs.items()}
-        loss = example.loss(model(*a, **k), target.chunk(microbatches)[i])
-        (loss / microbatches).backward()
-        losses.append(loss.detach())
-    return torch.stack(losses)
-
-
-@smpart.step
-def _zoo_step(model, example, args, kwargs, target):
-    loss = example.loss(model(*args, **kwargs), target)
-    model.backward(loss)
-    return loss
+# The unsplit reference (same micro-batching, mean loss) and the step, as the thread tests use them.
+_reference_losses = reference_step
+_zoo_step = train_step
 
 
 def _train_zoo(rank, configs, steps=3):

@@ -38,7 +38,7 @@ from smpart.distributed.transport import ProcessTransport
 from smpart.errors import ConfigError, PipelineError, SmpartError
 from smpart.runtime.data_parallel import GradientSync
 from smpart.runtime.messages import MAIN, STAGE, Address, Placed, PlaceModel, StepResult
-from smpart.runtime.placement import make_partition, pins_for, place_on_rank, unplace
+from smpart.runtime.placement import place_on_rank, unplace
 from smpart.runtime.stage import POLL_S, StageServer
 from smpart.runtime.step_run import StepRun
 from smpart.runtime.transport import Transport
@@ -264,12 +264,9 @@ class ProcessRuntime:
         with self._place_lock:
             if model._runtime is self:
                 return
-            from smpart.runtime.runtime import _module_pins
+            from smpart.runtime.runtime import partition_for
 
-            partition = model._partition
-            if partition is None or partition.num_stages != self.num_stages:
-                pins = pins_for(model.module, self.config.pin, dict(_module_pins.items()))
-                partition = make_partition(model.module, args, kwargs, self.config, pins)
+            partition = partition_for(model, args, kwargs, self.config)
             reply_to = (self.rank, ("placed", next(_placements)))
             self.transport.open(reply_to)
             try:

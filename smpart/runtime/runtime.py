@@ -78,10 +78,7 @@ class Runtime:
         with self._place_lock:
             if model._runtime is self:
                 return
-            partition = model._partition
-            if partition is None or partition.num_stages != self.num_stages:
-                pins = pins_for(model.module, self.config.pin, dict(_module_pins.items()))
-                partition = make_partition(model.module, args, kwargs, self.config, pins)
+            partition = partition_for(model, args, kwargs, self.config)
             place(model.module, model.model_id, partition, self.servers)
             model._partition = partition
             model._runtime = self
@@ -96,6 +93,16 @@ class Runtime:
             stuck += server.stop(timeout_s)
         self.transport.shutdown()
         return stuck
+
+
+def partition_for(model: DistributedModel, args: tuple, kwargs: dict, config: Config) -> Partition:
+    """The model's partition: the one it has if it fits this configuration's stage count, else a
+    new one from tracing this call (with ``config.pin`` and the `set_partition` pins)."""
+    partition = model._partition
+    if partition is None or partition.num_stages != config.pipeline_parallel_degree:
+        pins = pins_for(model.module, config.pin, dict(_module_pins.items()))
+        partition = make_partition(model.module, args, kwargs, config, pins)
+    return partition
 
 
 def init(config: Config | dict[str, Any] | None = None, **kwargs: Any) -> Config:

@@ -17,7 +17,6 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 from smpart.config import Config
@@ -191,4 +190,3 @@ def _shutdown_at_exit() -> None:
 
 
 atexit.register(_shutdown_at_exit)
-_ = torch  # the device helpers above re-export torch types in signatures

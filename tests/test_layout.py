@@ -1,0 +1,36 @@
+"""The layout of ranks: (pp, dp, tp) coordinates, SMP's "cluster" and "spread" placements, and the
+errors for a job whose size does not fit the configuration (no processes needed)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from smpart.config import Config
+from smpart.distributed.launch import Layout, layout_for
+from smpart.errors import ConfigError
+
+
+@pytest.mark.parametrize("strategy", ["cluster", "spread"])
+def test_every_rank_has_one_place_and_back(strategy):
+    layout = Layout(pp=2, dp=3, tp=2, strategy=strategy)
+    ranks = {layout.rank_of(p, d, t) for p, d, t in itertools.product(range(2), range(3), range(2))}
+    assert ranks == set(range(12))
+    for rank in range(12):
+        assert layout.rank_of(*layout.coordinates(rank)) == rank
+
+
+def test_cluster_keeps_tensor_parallel_ranks_adjacent_and_spread_does_not():
+    cluster, spread = Layout(2, 2, 4, "cluster"), Layout(2, 2, 4, "spread")
+    assert [cluster.rank_of(0, 0, t) for t in range(4)] == [0, 1, 2, 3]  # one node holds a tp group
+    assert [spread.rank_of(p, 0, 0) for p in range(2)] == [0, 1]  # adjacent ranks: pipeline stages
+    assert len({spread.rank_of(0, 0, t) // 4 for t in range(4)}) == 4  # tp group over 4 "nodes" of 4
+
+
+def test_data_parallel_degree_is_derived_or_checked():
+    assert layout_for(Config(pipeline_parallel_degree=2, tensor_parallel_degree=2), 8).dp == 2
+    with pytest.raises(ConfigError, match="not a multiple of"):
+        layout_for(Config(pipeline_parallel_degree=3), 4)
+    with pytest.raises(ConfigError, match="torchrun --nproc-per-node 12"):
+        layout_for(Config(pipeline_parallel_degree=2, tensor_parallel_degree=2, data_parallel_degree=3), 8)

@@ -194,7 +194,7 @@ class ProcessRuntime:
             error = err
             raise
         finally:
-            result = StepResult(step, results, timeline, _shippable(error))
+            result = StepResult(step, results, timeline, _shippable(error, self.rank))
             for stage in range(1, self.num_stages):
                 try:
                     self.transport.send(self.rank, (self.place_of_stage(stage), MAIN), result)
@@ -343,8 +343,8 @@ class ProcessRuntime:
         return stuck
 
 
-def _shippable(error: BaseException | None) -> BaseException | None:
+def _shippable(error: BaseException | None, rank: int) -> BaseException | None:
     """The error as the other ranks should see it (a `SmpartError`; the cause's text goes with it)."""
     if error is None or isinstance(error, SmpartError):
         return error
-    return PipelineError(f"the step failed on rank 0: {type(error).__name__}: {error}")
+    return PipelineError(f"the step failed on rank {rank}: {type(error).__name__}: {error}", rank=rank)

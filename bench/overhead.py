@@ -39,6 +39,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smpart  # noqa: E402
+from bench.p2p_roundtrip import raw_round_trips  # noqa: E402
 from bench.processes import RankPool  # noqa: E402
 from smpart.runtime.runtime import current_runtime  # noqa: E402
 
@@ -153,20 +154,8 @@ def smpart_rank(rank: int, calls: int, steps: int, hops: bool) -> tuple[float, l
 
 def raw_rank(rank: int, rounds: int) -> list[float]:
     """``dist.send`` + ``dist.recv`` of a 1x256 float32 tensor 0 -> 1 -> 0 on the default group."""
-    x = torch.randn(1, WIDTH)
-    buffer = torch.empty_like(x)
-    times = []
     dist.barrier()
-    for _ in range(rounds):
-        if rank == 0:
-            started = time.perf_counter()
-            dist.send(x, 1)
-            dist.recv(buffer, 1)
-            times.append(time.perf_counter() - started)
-        else:
-            dist.recv(buffer, 0)
-            dist.send(buffer, 0)
-    return times
+    return raw_round_trips(rank, rounds, torch.randn(1, WIDTH))
 
 
 @dataclass

@@ -38,7 +38,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _raw(rank: int, rounds: int, x: torch.Tensor) -> list[float]:
+def raw_round_trips(rank: int, rounds: int, x: torch.Tensor) -> list[float]:
+    """``dist.send`` + ``dist.recv`` of ``x`` 0 -> 1 -> 0, ``rounds`` times; rank 0's seconds each."""
     buffer = torch.empty_like(x)
     times = []
     for _ in range(rounds):
@@ -79,10 +80,10 @@ def _worker(rank: int, port: int, rounds: int, results) -> None:
     through: list[float] = []
     try:
         block = max(1, rounds // BLOCKS)
-        _raw(rank, block, x)  # warm-up
+        raw_round_trips(rank, block, x)  # warm-up
         _through(rank, block, x, transport)
         for _ in range(BLOCKS):
-            raw += _raw(rank, block, x)
+            raw += raw_round_trips(rank, block, x)
             through += _through(rank, block, x, transport)
         if rank == 0:
             results.put((raw, through))

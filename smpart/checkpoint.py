@@ -58,6 +58,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from smpart.errors import CheckpointError
+from smpart.tensor_parallel.layers import from_checkpoint_layout, to_checkpoint_layout
 
 #: The marker file written last; its presence means the checkpoint is complete.
 MARKER = ".smpart_complete"
@@ -113,17 +114,23 @@ def _optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
         return optimizer
     inner = getattr(optimizer, "optimizer", None)
     if isinstance(inner, torch.optim.Optimizer):
+        adopt = getattr(optimizer, "_adopt_replaced_parameters", None)
+        if adopt is not None:  # placement may have replaced parameters (tensor-parallel shards)
+            adopt()
         return inner
     raise CheckpointError(f"optimizer must be a torch.optim.Optimizer or smpart.DistributedOptimizer, "
                           f"got {type(optimizer).__name__}")
 
 
 def _parameter_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
-    """Each optimizer parameter with its name in the model (a tied weight: its first name)."""
+    """Each optimizer parameter this rank holds with its name in the model (a tied weight: its
+    first name); parameters of other stages (on the meta device) are not this rank's to save."""
     names = {id(p): name for name, p in module.named_parameters()}
     out, unknown = [], 0
     for group in optimizer.param_groups:
         for p in group["params"]:
+            if p.device.type == "meta":
+                continue
             if id(p) in names:
                 out.append((names[id(p)], p))
             else:
@@ -146,6 +153,11 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     be new, empty, or an earlier checkpoint (which is replaced).
     """
     path = Path(path)
+    if getattr(model, "_after_placement", None):
+        raise CheckpointError("this model has a checkpoint load waiting for its placement, which happens at "
+                              "its first step under torchrun: saving now would write the weights from before "
+                              "the load. Run a step first (a forward-only step under torch.no_grad() places "
+                              "the model without changing it)")
     rank, world = _rank(), _world(process_group)
     layout = _layout(model)
     optim = _optimizer(optimizer)
@@ -154,14 +166,15 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     _barrier(process_group)
     groups = _tie_groups(layout.local)  # a tied weight is written once, under its first name
     aliases = {name: names[0] for names in groups for name in names[1:]}
-    tensors = {MODEL + names[0]: layout.local[names[0]] for names in groups}
+    # A fused q/k/v shard is three blocks of the global tensor; DCP stores one block per rank.
+    tensors = {MODEL + names[0]: to_checkpoint_layout(layout.local[names[0]]) for names in groups}
     records: dict[str, Any] = {}
     if optim is not None:
         for name, p in _parameter_names(layout.module, optim):
             state = optim.state.get(p, {})
             group = next(g for g in optim.param_groups if any(q is p for q in g["params"]))
             tensor_keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
-            tensors.update({f"{OPTIM}{name}.{k}": state[k] for k in tensor_keys})
+            tensors.update({f"{OPTIM}{name}.{k}": to_checkpoint_layout(state[k]) for k in tensor_keys})
             records[name] = {
                 "group": _encode_fields(group, "params", f"the hyperparameters of {name!r}'s group"),
                 "tensors": tensor_keys,
@@ -255,35 +268,61 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     (step counts included) and its groups' hyperparameters are those saved. With ``restore_rng``
     each rank's RNG states are set to those its rank saved (when the checkpoint has that rank).
 
+    Under ``torchrun`` a `DistributedModel` is split into stages and shards at its first step, so
+    until then a rank does not know what it holds: the keys are checked now, ``extra`` and the RNG
+    states are restored now, and the tensors are read right after placement (at the first step,
+    on every rank). Saving such a model before that step is refused.
+
     Raises `CheckpointError` when ``path`` is not a checkpoint, was only partly written, or holds
     another model (every missing, unexpected and mis-shaped key named in one message).
     """
     path = Path(path)
     info = _check_complete(path)
+    ranks = _read_rank_files(path)
+    if optimizer is not None and not info.get("optimizer"):
+        raise CheckpointError(f"{path} holds no optimizer state (it was saved without an optimizer); "
+                              "load it with optimizer=None")
+    if _awaits_placement(model):
+        # Under torchrun a model is placed (split into stages and tensor-parallel shards) at its
+        # first step; each rank can read only what it will hold once that is decided.
+        _check_model_keys(path, _layout(model), _SafeReader(path).read_metadata().state_dict_metadata,
+                          _aliases(ranks))
+        model._after_placement.append(lambda: _load_tensors(path, model, optimizer, process_group, ranks))
+    else:
+        _load_tensors(path, model, optimizer, process_group, ranks)
+    if restore_rng:
+        _restore_rng(ranks, _rank(), len(ranks))
+    return _load_extra(path / SIDE_DIR, info.get("extra"))
+
+
+def _awaits_placement(model: Any) -> bool:
+    """A `DistributedModel` under the process runtime, not placed yet."""
+    if getattr(model, "_after_placement", None) is None or getattr(model, "_runtime", None) is not None:
+        return False
+    from smpart.runtime.runtime import running_runtime
+
+    return getattr(running_runtime(), "setup", None) is not None
+
+
+def _load_tensors(path: Path, model: Any, optimizer: Any, process_group: Any,
+                  ranks: dict[int, dict[str, Any]]) -> None:
+    """Read the model's (and optimizer's) tensors that this rank holds, in place."""
     layout = _layout(model)
     optim = _optimizer(optimizer)
     reader = _SafeReader(path)
     saved = reader.read_metadata().state_dict_metadata
-    ranks = _read_rank_files(path)
     aliases = _aliases(ranks)
     _check_model_keys(path, layout, saved, aliases)
     targets, copies = _model_targets(layout, aliases)
     restore_state = None
     if optim is not None:
-        if not info.get("optimizer"):
-            raise CheckpointError(f"{path} holds no optimizer state (it was saved without an optimizer); "
-                                  "load it with optimizer=None")
         restore_state = _optimizer_targets(path, layout, optim, saved, ranks, targets)
     with _single_process_is_meant():
         dcp.load(targets, storage_reader=reader, process_group=process_group, no_dist=not _distributed())
-    with torch.no_grad():
-        for target, source in copies:
-            target.copy_(source)
+    for target, source in copies:
+        from_checkpoint_layout(target, source)
     if restore_state is not None:
         restore_state()
-    if restore_rng:
-        _restore_rng(ranks, _rank(), len(ranks))
-    return _load_extra(path / SIDE_DIR, info.get("extra"))
 
 
 def _check_complete(path: Path) -> dict[str, Any]:
@@ -329,7 +368,9 @@ def _model_targets(layout: _Layout, aliases: dict[str, str],
         if key in targets:
             copies.append((tensor, targets[key]))
         else:
-            targets[key] = tensor
+            targets[key] = to_checkpoint_layout(tensor)
+            if targets[key] is not tensor:  # a fused shard: read as DCP stores it, then re-laid out
+                copies.append((tensor, targets[key]))
     return targets, copies
 
 
@@ -368,6 +409,7 @@ def _optimizer_targets(path: Path, layout: _Layout, optim: torch.optim.Optimizer
         records.update(record.get("optimizer") or {})
     params = _parameter_names(layout.module, optim)
     states: dict[int, dict[str, Any]] = {}
+    relaid: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, p in params:
         record = records.get(name)
         if record is None or not record.get("has_state", True):
@@ -379,11 +421,15 @@ def _optimizer_targets(path: Path, layout: _Layout, optim: torch.optim.Optimizer
             if not isinstance(meta, TensorStorageMetadata):
                 raise CheckpointError(f"{path} is damaged: optimizer state {full!r} is listed but not stored")
             state[key] = _empty_like_saved(meta, p, optim.state.get(p, {}).get(key))
-            targets[full] = state[key]
+            targets[full] = to_checkpoint_layout(state[key])
+            if targets[full] is not state[key]:
+                relaid.append((state[key], targets[full]))
         state.update({k: _decode(v) for k, v in record["values"].items()})
         states[id(p)] = state
 
     def install() -> None:
+        for target, source in relaid:
+            from_checkpoint_layout(target, source)
         for _, p in params:
             optim.state.pop(p, None)
             if id(p) in states:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 import pytest
 import torch
@@ -320,15 +321,16 @@ def test_global_gradient_clipping_across_stages_and_replicas(world, pp):
 
 
 # ---------------------------------------------------------------------------- tensor parallelism
-def _tensor_parallel(rank, name):
-    """tp x dp with one stage: the automatic plan swaps in the tensor-parallel layers; training equals
-    the unsplit model on the global batch (parameters, AdamW, clipping)."""
-    dp = int(os.environ["WORLD_SIZE"]) // 2
+def _tensor_parallel(rank, name, pp=1, schedule="1f1b"):
+    """pp x tp=2 x dp: the automatic plan swaps in the tensor-parallel layers; training equals the
+    unsplit model on the global batch (parameters, AdamW, clipping)."""
+    dp = int(os.environ["WORLD_SIZE"]) // (2 * pp)
     torch.manual_seed(0)
     example = ZOO[name](dtype=torch.float64)
     reference = copy.deepcopy(example.model)
-    smpart.init(pipeline_parallel_degree=1, tensor_parallel_degree=2, microbatches=2, timeout_s=60)
-    assert (smpart.tp_size(), smpart.dp_size()) == (2, dp)
+    smpart.init(pipeline_parallel_degree=pp, tensor_parallel_degree=2, microbatches=2, pipeline=schedule,
+                timeout_s=60)
+    assert (smpart.pp_size(), smpart.tp_size(), smpart.dp_size()) == (pp, 2, dp)
     model = smpart.DistributedModel(example.model)
     opt = smpart.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
@@ -352,8 +354,69 @@ def _tensor_parallel(rank, name):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("world", [2, 4])
-def test_tensor_parallel_replicas_train_like_the_unsplit_model(world):
-    for worst, norm_diff, split in values(run_ranks(_tensor_parallel, world, "gpt2", timeout_s=190)):
+@pytest.mark.parametrize(("pp", "world"), [(1, 2), (1, 4), (2, 8)])
+def test_tensor_parallel_replicas_train_like_the_unsplit_model(pp, world):
+    """Adam and global clipping with tp = 2 (and dp, and pp = 2 x tp = 2 x dp = 2 on 8 processes)."""
+    for worst, norm_diff, split in values(run_ranks(_tensor_parallel, world, "gpt2", pp, timeout_s=190)):
         assert split > 0, "the plan split something"
         assert worst <= TOL and norm_diff <= 1e-9, (worst, norm_diff)
+
+
+class _UnevenTiming(torch.nn.Module):
+    """A root on stage 0 calling two MLP blocks on stage 1 one after the other, sleeping in between
+    for a time that differs by tensor-parallel rank and micro-batch: each rank of stage 1 receives
+    the micro-batches' calls in a different order."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.inp = torch.nn.Linear(width, width)
+        self.a = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                     torch.nn.Linear(4 * width, width))
+        self.b = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                     torch.nn.Linear(4 * width, width))
+        self.head = torch.nn.Linear(width, 1)
+        self.calls = 0
+
+    def forward(self, x):
+        h = self.a(self.inp(x))
+        if torch.is_grad_enabled() and x.device.type != "meta":
+            self.calls += 1
+            if self.calls % 2 == smpart.tp_rank():
+                time.sleep(0.2)
+        return self.head(self.b(h))
+
+
+def _uneven_timing(rank):
+    torch.manual_seed(0)
+    model = _UnevenTiming().double()
+    reference = copy.deepcopy(model)
+    smpart.init(pipeline_parallel_degree=2, tensor_parallel_degree=2, microbatches=4, pipeline="gpipe",
+                timeout_s=60)
+    smpart.set_partition(model.a, 1)
+    smpart.set_partition(model.b, 1)
+    dist_model = smpart.DistributedModel(model)
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+
+    @smpart.step
+    def step(model, x, y):
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    out = step(dist_model, x, y)
+    losses = [F.mse_loss(reference(xs), ys) for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True)]
+    (sum(losses) / 4).backward()
+    grads = {k: p.grad for k, p in reference.named_parameters()}
+    full = {k: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            for k, p in dist_model.module.named_parameters() if p.grad is not None}
+    mine = {k: (full[k] - grads[k]).abs().max().item() for k in full}
+    split = sorted(dist_model.tensor_parallel_plan.styles())
+    return max(mine.values()), (out.stack() - torch.stack(losses)).abs().max().item(), split
+
+
+@pytest.mark.timeout(120)
+def test_tensor_parallel_ranks_of_a_stage_work_in_one_order_whatever_the_arrival_order():
+    """Without one order, the ranks' all-reduces would pair different micro-batches' tensors."""
+    for grad_diff, loss_diff, split in values(run_ranks(_uneven_timing, 4, timeout_s=110)):
+        assert any(name.startswith("a.") for name in split), split
+        assert grad_diff <= TOL and loss_diff <= TOL, (grad_diff, loss_diff)

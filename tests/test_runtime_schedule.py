@@ -9,12 +9,16 @@ its actions over instead of waiting for them.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from torch import nn
 
 import smpart
-from smpart.runtime.schedule import Action, schedule_named
+from smpart.runtime.schedule import FORWARD, Action, schedule_named
+from smpart.runtime.scheduler import NEW, Claim, StageScheduler
 
 
 @pytest.fixture(autouse=True)
@@ -193,3 +197,35 @@ def test_micro_batches_pass_each_module_in_order(schedule):
     buffers = dict(model.named_buffers())
     for name, expected in reference.named_buffers():
         torch.testing.assert_close(buffers[name], expected, atol=1e-12, rtol=0, msg=name)
+
+
+@pytest.mark.timeout(30)
+def test_a_tensor_parallel_follower_grants_its_turn_in_its_leaders_order():
+    """Claims arrive at the follower in another order than the leader granted them; the follower
+    still grants them in the leader's order, and only once the leader has announced each."""
+    actions = schedule_named("gpipe").actions(1, 2, 2)
+    follower = StageScheduler(actions, follower=True)
+    claims = {
+        ("F", 1, 0): Claim(Action(FORWARD, 1), NEW, 0),
+        ("F", 0, 1): Claim(Action(FORWARD, 0), NEW, 1),
+        ("F", 0, 0): Claim(Action(FORWARD, 0), NEW, 0),
+    }
+    leader_order = [("F", 0, 0), ("F", 0, 1), ("F", 1, 0)]
+    granted: list[tuple] = []
+
+    def work(claim: Claim) -> None:
+        follower.acquire(claim, 10, lambda: "test")
+        granted.append(claim.key)
+        follower.release(claim)
+
+    threads = [threading.Thread(target=work, args=(claim,)) for claim in claims.values()]
+    for thread in threads:  # arrival order: F1 first, then F0's second call, then its first
+        thread.start()
+        time.sleep(0.02)
+    time.sleep(0.1)
+    assert granted == [], "nothing is granted before the leader announces it"
+    for key in leader_order:
+        follower.follow(key)
+    for thread in threads:
+        thread.join(10)
+    assert granted == leader_order

@@ -61,6 +61,7 @@ class Driver:
         self.address = (run.place, driver_endpoint(run.step, microbatch))
         self.sent: CallRecords = {}
         self.outbox = Outbox()
+        self.gradients_sent: dict = {}  # endpoint -> gradient messages sent (their origins)
         self.credit_home = Fraction(0)
         self.backward_called = False
         self.forward_done = False
@@ -178,7 +179,8 @@ class Driver:
     def _dispatch(self, credit: Fraction) -> None:
         posts = self.outbox.take()
         if posts:
-            dispatch(self.run.send, posts, credit, self.run.step, self.microbatch, self.address)
+            dispatch(self.run.send, posts, credit, self.run.step, self.microbatch, self.address,
+                     counts=self.gradients_sent)
         else:
             self.credit_home += credit
 

@@ -46,9 +46,10 @@ class Outbox:
         return posts
 
 
-def dispatch(send: Send, posts: list, credit: Fraction, step: int, microbatch: int, home: Address) -> None:
+def dispatch(send: Send, posts: list, credit: Fraction, step: int, microbatch: int, home: Address,
+             sender: int = -1, counts: dict | None = None) -> None:
     """Send a segment's posts, one message per endpoint, each with an equal share of ``credit``;
-    none: the credit goes home."""
+    none: the credit goes home. ``counts`` numbers the messages per endpoint for their `origin`."""
     if not posts:
         if credit:
             send(home, Credit(step, microbatch, credit))
@@ -57,8 +58,11 @@ def dispatch(send: Send, posts: list, credit: Fraction, step: int, microbatch: i
     for (address, call_id, to_outputs), grads in posts:
         by_address.setdefault(address, []).append((call_id, to_outputs, grads))
     share = credit / len(by_address)
+    counts = {} if counts is None else counts
     for address, parts in by_address.items():
-        send(address, Gradients(step, microbatch, parts, share))
+        n = counts.get(address, 0)
+        counts[address] = n + 1
+        send(address, Gradients(step, microbatch, parts, share, (sender, n)))
 
 
 def grad_mask(kept: list | None, forwarded: dict) -> tuple[int, ...]:
@@ -85,15 +89,23 @@ def restore_requires_grad(value: Any, mask: tuple[int, ...]) -> None:
     walk(value, visit)
 
 
-def backpropagate(served: CallRecords, sent: CallRecords, messages: list[Gradients]) -> None:
+def backpropagate(served: CallRecords, sent: CallRecords, messages: list[Gradients],
+                  call_by_call: bool = False) -> None:
     """One backward segment: every message's gradients land on the tensors its call kept (the
-    outputs this endpoint ``served``, or the arguments it ``sent``), in one ``backward`` call."""
-    targets: dict[int, list] = {}
+    outputs this endpoint ``served``, or the arguments it ``sent``), in one ``backward`` call.
+
+    ``call_by_call`` (tensor parallelism): one ``backward`` call per module call instead, in the
+    messages' order. Autograd runs the nodes that are ready at once by their creation number, a
+    per-thread counter, and the calls of one stage ran on different worker threads: one backward
+    over several calls' graphs could order their collectives differently on each tensor-parallel
+    rank. A call's own graph was built on one thread, so its order is the same everywhere."""
+    groups: dict[Any, dict[int, list]] = {}
     for call_id, to_outputs, grads_by_index in (part for message in messages for part in message.parts):
         records = served if to_outputs else sent
         if call_id not in records:
             continue
         _, kept = records[call_id]
+        targets = groups.setdefault((call_id, to_outputs) if call_by_call else None, {})
         for index, grad in grads_by_index.items():
             tensor = kept[index]
             if tensor is None:
@@ -104,9 +116,10 @@ def backpropagate(served: CallRecords, sent: CallRecords, messages: list[Gradien
                 targets[id(tensor)] = [tensor, grad]
             else:
                 entry[1] = entry[1] + grad
-    if targets:
-        tensors, grads = zip(*targets.values(), strict=True)
-        torch.autograd.backward(list(tensors), list(grads), retain_graph=True)
+    for targets in groups.values():
+        if targets:
+            tensors, grads = zip(*targets.values(), strict=True)
+            torch.autograd.backward(list(tensors), list(grads), retain_graph=True)
 
 
 def module_of(served: CallRecords, sent: CallRecords, messages: list[Gradients]) -> str | None:

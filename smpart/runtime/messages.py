@@ -88,6 +88,19 @@ class Gradients:
     microbatch: int
     parts: list[tuple[Any, bool, dict[int, Any]]]
     credit: Fraction
+    #: ``(sender stage, n)``: the sender's n-th gradient message of this micro-batch to this
+    #: endpoint (-1: the driver). The same in every tensor-parallel column, unlike call ids.
+    origin: tuple[int, int] = (-1, 0)
+
+
+@dataclass(slots=True)
+class Grant:
+    """The tensor-parallel leader of a stage gave its turn to the work named ``key`` (see
+    `sequencing`); ``payload`` names the gradient messages a backward segment consumed."""
+
+    step: int
+    key: tuple
+    payload: tuple = ()
 
 
 @dataclass(slots=True)

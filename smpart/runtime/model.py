@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -42,6 +42,9 @@ class DistributedModel:
         _models[self.model_id] = self
         self._partition: Partition | None = None
         self._runtime: Any = None
+        #: Work waiting for the model to be placed (a checkpoint load under torchrun), run by the
+        #: runtime on every rank right after placement.
+        self._after_placement: list[Callable[[], None]] = []
 
     # ================================================================ running
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -59,6 +62,11 @@ class DistributedModel:
                               "the pipelined backward of the current micro-batch); outside one use "
                               "loss.backward()")
         driver.backward(loss, grad)
+
+    def _placed(self) -> None:
+        pending, self._after_placement = self._after_placement, []
+        for work in pending:
+            work()
 
     @property
     def partition(self) -> Partition | None:

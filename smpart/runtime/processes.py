@@ -35,7 +35,7 @@ import torch.utils._pytree as pytree
 from smpart.config import Config
 from smpart.distributed.launch import Setup, setup
 from smpart.distributed.transport import ProcessTransport
-from smpart.errors import ConfigError, PipelineError, SmpartError
+from smpart.errors import PipelineError, SmpartError
 from smpart.runtime.data_parallel import GradientSync
 from smpart.runtime.messages import MAIN, STAGE, Address, Placed, PlaceModel, StepResult
 from smpart.runtime.placement import place_on_rank, unplace
@@ -134,10 +134,6 @@ class ProcessRuntime:
         self.config = config
         self.setup: Setup = setup(config)
         layout = self.setup.layout
-        if layout.tp != 1 and layout.pp != 1:
-            raise ConfigError("tensor parallelism combined with pipeline parallelism is not supported yet "
-                              "(the tensor-parallel ranks of a stage must run its work in one order): use "
-                              "pipeline_parallel_degree=1 with tensor_parallel_degree > 1, or tp = 1")
         self.rank = self.setup.rank
         self.layout = layout
         self.num_stages = layout.pp
@@ -145,11 +141,16 @@ class ProcessRuntime:
         self.driver_place = self.place_of_stage(0)
         self.is_driver = self.rank == self.driver_place
         replica = [self.place_of_stage(s) for s in range(self.num_stages)]
+        # The tensor-parallel ranks of this stage follow the first one's order of work (`scheduler`).
+        shards = [layout.rank_of(self.stage, self.dp_rank, t) for t in range(layout.tp)]
+        peers = sorted({*replica, *shards} - {self.rank})
         inner = ProcessTransport(self.rank, self.setup.world_size, self.setup.transport_group,
-                                 timeout_s=config.timeout_s, peers=[r for r in replica if r != self.rank])
+                                 timeout_s=config.timeout_s, peers=peers)
         self.transport = RoutedTransport(inner, self.rank)
         self.server = StageServer(self.stage, self.num_stages, self.rank, self.setup.device, self.transport,
-                                  self.place_of_stage, rank=self.rank)
+                                  self.place_of_stage, rank=self.rank,
+                                  tp_followers=shards[1:] if self.tp_rank == 0 else [],
+                                  tp_follower=self.tp_rank != 0)
         if self.is_driver:
             self.server.armed = math.inf  # its main thread is the step's coordinator
         self.servers = [self.server]
@@ -266,7 +267,7 @@ class ProcessRuntime:
                 return
             from smpart.runtime.runtime import partition_for
 
-            partition = partition_for(model, args, kwargs, self.config)
+            partition = self._agreed(lambda: partition_for(model, args, kwargs, self.config))
             reply_to = (self.rank, ("placed", next(_placements)))
             self.transport.open(reply_to)
             try:
@@ -277,6 +278,15 @@ class ProcessRuntime:
                 self._await_placed(reply_to, model.model_id)
             finally:
                 self.transport.close(reply_to)
+
+    def _agreed(self, decide: Callable[[], Any]) -> Any:
+        """What the first tensor-parallel driver decides, on every driver (they must agree)."""
+        if self.layout.tp == 1:
+            return decide()
+        chosen = [decide() if self.tp_rank == 0 else None]
+        leader = self.layout.rank_of(self.stage, self.dp_rank, 0)
+        dist.broadcast_object_list(chosen, src=leader, group=self.setup.tp_group)
+        return chosen[0]
 
     def _await_placed(self, reply_to: Address, model_id: int) -> None:
         waiting = self.num_stages - 1
@@ -316,6 +326,7 @@ class ProcessRuntime:
         model._partition = partition
         model._runtime = self
         self.models[model.model_id] = model
+        model._placed()
 
     def _split_for_tensor_parallelism(self, model: DistributedModel) -> None:
         """Swap in the tensor-parallel layers the automatic plan chooses; parameters that become

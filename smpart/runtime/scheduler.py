@@ -16,13 +16,21 @@ Among eligible claims, a call resuming after another stage answered it goes firs
 passes one stage's answer on to the next), then the claim of the earliest action, then the
 earliest to arrive. Whoever holds the turn gives it back when its work ends or when it waits
 for another stage.
+
+Tensor parallelism: the ranks holding shards of one stage run collectives inside its modules,
+so they must give the turn to the same work in the same order, and the rule above depends on
+arrival timing. One of them (the *leader*) decides by the rule and announces every grant; the
+others (*followers*) do not decide: they grant the waiting claim whose `key` the leader
+announced next (`follow`). A key names the work the same way in every tensor-parallel column:
+``("F", mb, k)`` the k-th forward call of a micro-batch here, ``("R", mb, k)`` its k-th
+resumption, ``("B", mb)`` a backward segment (whose gradient messages the grant's payload names).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 
 from smpart.runtime.schedule import BACKWARD, FORWARD, Action
@@ -43,12 +51,17 @@ class TimedOut(Exception):
 class Claim:
     """A request for the stage's turn by one piece of work."""
 
-    __slots__ = ("action", "kind", "seq", "arrival", "granted", "cancelled", "_event")
+    __slots__ = ("action", "kind", "seq", "key", "payload", "arrival", "granted", "cancelled", "_event")
 
     def __init__(self, action: Action, kind: int, seq: int = 0) -> None:
         self.action = action
         self.kind = kind
-        self.seq = seq  # NEW claims: which forward call of this micro-batch on this stage (0, 1, ...)
+        # NEW claims: which forward call of this micro-batch on this stage (0, 1, ...); RESUME
+        # claims: which resumption of this micro-batch here.
+        self.seq = seq
+        mb = action.microbatch
+        self.key: tuple = ("F", mb, seq) if kind == NEW else ("R", mb, seq) if kind == RESUME else ("B", mb)
+        self.payload: tuple = ()  # a follower's grant: what the leader's segment consumed
         self.arrival = 0
         self.granted = False
         self.cancelled = False
@@ -61,8 +74,10 @@ class Claim:
 class StageScheduler:
     """The turn of one stage during one step, granted by the rule above."""
 
-    def __init__(self, actions: list[Action]) -> None:
+    def __init__(self, actions: list[Action], follower: bool = False) -> None:
         self.actions = actions
+        self.follower = follower
+        self._announced: deque[tuple[tuple, tuple]] = deque()  # a follower's grants still to make
         self.position = {action: i for i, action in enumerate(actions)}
         self._lock = threading.Lock()
         self._holder: Claim | None = None
@@ -94,6 +109,12 @@ class StageScheduler:
         with self._lock:
             self._forward_over.add(microbatch)
             self._over.update((Action(FORWARD, microbatch), Action(BACKWARD, microbatch)))
+            self._grant()
+
+    def follow(self, key: tuple, payload: tuple = ()) -> None:
+        """A follower: the leader granted the turn to ``key``; grant it here in the same order."""
+        with self._lock:
+            self._announced.append((key, payload))
             self._grant()
 
     def abort(self) -> None:
@@ -143,11 +164,9 @@ class StageScheduler:
     def _grant(self) -> None:
         if self._holder is not None or not self._waiting or self.aborted:
             return
-        self._advance_frontier()
-        eligible = [c for c in self._waiting if self._eligible(c)]
-        if not eligible:
+        best = self._announced_claim() if self.follower else self._best_claim()
+        if best is None:
             return
-        best = min(eligible, key=lambda c: (c.kind != RESUME, self.position.get(c.action, 0), c.arrival))
         self._waiting.remove(best)
         self._holder = best
         if best.kind == NEW:
@@ -158,6 +177,23 @@ class StageScheduler:
             self._advance_frontier()
         best.granted = True
         best._wake()
+
+    def _best_claim(self) -> Claim | None:
+        self._advance_frontier()
+        eligible = [c for c in self._waiting if self._eligible(c)]
+        if not eligible:
+            return None
+        return min(eligible, key=lambda c: (c.kind != RESUME, self.position.get(c.action, 0), c.arrival))
+
+    def _announced_claim(self) -> Claim | None:
+        if not self._announced:
+            return None
+        key, payload = self._announced[0]
+        claim = next((c for c in self._waiting if c.key == key), None)
+        if claim is not None:
+            self._announced.popleft()
+            claim.payload = payload
+        return claim
 
     def _advance_frontier(self) -> None:
         actions = self.actions

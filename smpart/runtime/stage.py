@@ -58,6 +58,7 @@ from smpart.runtime.messages import (
     Failed,
     ForwardDone,
     Gradients,
+    Grant,
     Release,
     Request,
     Response,
@@ -119,7 +120,7 @@ class Waiter:
 class StageStep:
     """What one stage keeps during one step."""
 
-    def __init__(self, begin: BeginStep, stage: int, num_stages: int) -> None:
+    def __init__(self, begin: BeginStep, stage: int, num_stages: int, follower: bool = False) -> None:
         self.step = begin.step
         self.microbatches = begin.microbatches
         self.timeout_s = begin.timeout_s
@@ -127,8 +128,10 @@ class StageStep:
         self.driver_place = begin.coordinator[0]
         actions = schedule_named(begin.schedule).actions(stage, num_stages, begin.microbatches,
                                                           begin.active_microbatches)
-        self.scheduler = StageScheduler(actions)
+        self.scheduler = StageScheduler(actions, follower)
         self.requests: dict[int, int] = defaultdict(int)  # forward calls received per micro-batch
+        self.resumes: dict[int, int] = defaultdict(int)  # resumed calls per micro-batch
+        self.gradients_sent: dict[int, dict] = defaultdict(dict)  # per micro-batch: endpoint -> count
         self.served: dict[int, CallRecords] = defaultdict(dict)  # outputs this stage returned
         self.sent: dict[int, CallRecords] = defaultdict(dict)  # arguments this stage sent
         self.waiting: dict[Any, Waiter] = {}
@@ -193,7 +196,8 @@ class StageServer:
     """The execution server of pipeline stage ``stage``, living at ``place`` on ``device``."""
 
     def __init__(self, stage: int, num_stages: int, place: int, device: torch.device,
-                 transport: Transport, place_of_stage: Callable[[int], int], rank: int | None = None) -> None:
+                 transport: Transport, place_of_stage: Callable[[int], int], rank: int | None = None,
+                 tp_followers: list[int] | None = None, tp_follower: bool = False) -> None:
         self.stage = stage
         self.num_stages = num_stages
         self.place = place
@@ -202,6 +206,10 @@ class StageServer:
         self.place_of_stage = place_of_stage
         self.rank = rank
         self.address: Address = (place, STAGE)
+        #: Tensor parallelism (see `scheduler`): the places of this stage's other tensor-parallel
+        #: ranks if this one leads them, or whether this one follows its leader's grants.
+        self.tp_followers = list(tp_followers or [])
+        self.tp_follower = tp_follower
         self.modules: dict[tuple[int, str], nn.Module] = {}
         self.run: StageStep | None = None
         self.workers = WorkerPool(f"smpart-stage{stage}")
@@ -223,7 +231,7 @@ class StageServer:
         self._handlers: dict[type, Callable[[Any], None]] = {
             BeginStep: self._on_begin, Request: self._on_request, Response: self._on_response,
             Gradients: self._on_gradients, ForwardDone: self._on_forward_done, Release: self._on_release,
-            Abort: self._on_abort, EndStep: self._on_end,
+            Abort: self._on_abort, EndStep: self._on_end, Grant: self._on_grant,
         }
         transport.open(self.address)
         self.thread = threading.Thread(target=self._dispatch_loop, name=f"smpart-stage{stage}", daemon=True)
@@ -299,7 +307,7 @@ class StageServer:
     def _on_begin(self, message: BeginStep) -> None:
         self._abort_running()
         self._last_step = message.step
-        self.run = StageStep(message, self.stage, self.num_stages)
+        self.run = StageStep(message, self.stage, self.num_stages, self.tp_follower)
         self.run.bytes_before = dict(self.transport.bytes_sent)
 
     def _on_request(self, message: Request) -> None:
@@ -328,6 +336,16 @@ class StageServer:
                 return
             run.segment_queued.add(mb)
         self.workers.submit(lambda: self._run_segment(run, mb))
+
+    def _on_grant(self, message: Grant) -> None:
+        run = self._live(message)
+        if run is not None:
+            run.scheduler.follow(message.key, message.payload)
+
+    def _announce(self, run: StageStep, claim: Claim, payload: tuple = ()) -> None:
+        """A tensor-parallel leader holds the turn for ``claim``: its followers grant the same."""
+        for place in self.tp_followers:
+            self.send((place, STAGE), Grant(run.step, claim.key, payload))
 
     def _on_forward_done(self, message: ForwardDone) -> None:
         run = self._live(message)
@@ -394,6 +412,7 @@ class StageServer:
             self._answer(run, request, error=PipelineError(str(err), stage=self.stage, module=request.module,
                                                            microbatch=mb, rank=self.rank))
             return
+        self._announce(run, claim)
         frame = Frame(self, run.step, mb, run=run, claim=claim, since=time.time())
         output, error, forwarded, mask, snapshots = None, None, {}, (), []
         ambient: Ambient = request.ambient
@@ -470,13 +489,15 @@ class StageServer:
     def enter_compute(self, frame: Frame) -> None:
         """A resumed call is about to run a module of this stage: take the turn first."""
         run: StageStep = frame.run
-        claim = Claim(Action(FORWARD, frame.microbatch), RESUME)
+        mb = frame.microbatch
+        claim = Claim(Action(FORWARD, mb), RESUME, run.resumes[mb])
+        run.resumes[mb] += 1
         try:
-            what = lambda: self._describe_wait(run, None, frame.microbatch)  # noqa: E731
+            what = lambda: self._describe_wait(run, None, mb)  # noqa: E731
             run.scheduler.acquire(claim, run.timeout_s, what, self.transport.check)
         except TimedOut as err:
-            raise PipelineError(str(err), stage=self.stage, microbatch=frame.microbatch,
-                                rank=self.rank) from None
+            raise PipelineError(str(err), stage=self.stage, microbatch=mb, rank=self.rank) from None
+        self._announce(run, claim)
         frame.claim, frame.since = claim, time.time()
 
     def _step_out(self, frame: Frame) -> None:
@@ -500,16 +521,23 @@ class StageServer:
             self.send(run.coordinator, Failed(run.step, failure))
             return
         start = time.time()
-        with run.lock:
-            messages = run.backlog.pop(mb, [])
-            run.segment_queued.discard(mb)
+        try:
+            messages = self._take_backlog(run, mb, claim)
+        except (Cancelled, TimedOut) as err:
+            run.scheduler.release(claim)
+            if isinstance(err, TimedOut):
+                failure = PipelineError(str(err), stage=self.stage, microbatch=mb, rank=self.rank)
+                self.send(run.coordinator, Failed(run.step, failure))
+            return
+        self._announce(run, claim, tuple(m.origin for m in messages))
         credit = sum((m.credit for m in messages), Fraction(0))
         served, sent = run.served.get(mb, {}), run.sent.get(mb, {})
         failed = False
         try:
             if mb not in run.released:
                 with running(Frame(self, run.step, mb, run=run, claim=claim)):
-                    backpropagate(served, sent, messages)
+                    call_by_call = self.tp_follower or bool(self.tp_followers)
+                    backpropagate(served, sent, messages, call_by_call)
         except Exception as err:
             failed = True
             failure = as_pipeline_error(err, self.stage, module_of(served, sent, messages), mb, "backward",
@@ -520,7 +548,36 @@ class StageServer:
             run.spans.append((mb, "backward", start, time.time()))
             run.scheduler.release(claim)
         if not failed and not run.aborted:
-            dispatch(self.send, posts, credit, run.step, mb, run.home(mb))
+            dispatch(self.send, posts, credit, run.step, mb, run.home(mb), self.stage, run.gradients_sent[mb])
+
+    def _take_backlog(self, run: StageStep, mb: int, claim: Claim) -> list[Gradients]:
+        """The gradient messages this segment consumes, in the order of their origins (so that
+        every tensor-parallel rank back-propagates the same tensors in the same order): all that
+        are queued, or on a follower those its leader's segment consumed (waiting for them)."""
+        if not self.tp_follower:
+            with run.lock:
+                messages = run.backlog.pop(mb, [])
+                run.segment_queued.discard(mb)
+            return sorted(messages, key=lambda m: m.origin)
+        wanted = set(claim.payload)
+        deadline = time.monotonic() + run.timeout_s
+        while True:
+            with run.lock:
+                queued = run.backlog.get(mb, [])
+                if wanted <= {m.origin for m in queued}:
+                    taken = [m for m in queued if m.origin in wanted]
+                    rest = [m for m in queued if m.origin not in wanted]
+                    run.backlog[mb] = rest
+                    if not rest:
+                        run.segment_queued.discard(mb)
+                    break
+            self._check(run)
+            if time.monotonic() > deadline:
+                raise TimedOut(self._describe_wait(run, None, mb))
+            time.sleep(0.001)
+        if rest:  # gradients that a later segment of the leader consumed
+            self.workers.submit(lambda: self._run_segment(run, mb))
+        return sorted(taken, key=lambda m: m.origin)
 
     # ================================================================ helpers
     def _bytes_since(self, before: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:

@@ -1,5 +1,6 @@
 """The layout of ranks: (pp, dp, tp) coordinates, SMP's "cluster" and "spread" placements, and the
-errors for a job whose size does not fit the configuration (no processes needed)."""
+errors for a job whose size does not fit the configuration (no processes needed); and, on 4
+processes, the ``DeviceMesh`` and groups ``smpart.init`` builds from it."""
 
 from __future__ import annotations
 
@@ -34,3 +35,36 @@ def test_data_parallel_degree_is_derived_or_checked():
         layout_for(Config(pipeline_parallel_degree=3), 4)
     with pytest.raises(ConfigError, match="torchrun --nproc-per-node 12"):
         layout_for(Config(pipeline_parallel_degree=2, tensor_parallel_degree=2, data_parallel_degree=3), 8)
+
+
+def _mesh_and_groups(rank, strategy):
+    import torch.distributed as dist
+
+    import smpart
+
+    smpart.init(pipeline_parallel_degree=2, tensor_parallel_degree=2, microbatches=2,
+                placement_strategy=strategy)
+    mesh = smpart.device_mesh()
+    groups = {name: sorted(dist.get_process_group_ranks(group))
+              for name, group in (("pp", smpart.get_pp_group()), ("dp", smpart.get_dp_group()),
+                                  ("tp", smpart.get_tp_group())) if group is not None}
+    coordinates = (smpart.pp_rank(), smpart.dp_rank(), smpart.tp_rank())
+    out = (mesh.mesh_dim_names, mesh.mesh.tolist(), mesh.get_coordinate(), coordinates, groups)
+    smpart.shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["cluster", "spread"])
+def test_the_device_mesh_and_groups_match_the_rank_helpers(strategy):
+    from tests.launch import run_ranks, values
+
+    layout = Layout(2, 1, 2, strategy)
+    for rank, (names, ranks, coordinate, coordinates, groups) in enumerate(
+            values(run_ranks(_mesh_and_groups, 4, strategy, timeout_s=110))):
+        assert names == ("pp", "dp", "tp")
+        assert tuple(coordinate) == coordinates == layout.coordinates(rank)
+        assert ranks[coordinates[0]][coordinates[1]][coordinates[2]] == rank
+        pp, _, tp = coordinates
+        assert groups == {"pp": sorted(layout.rank_of(s, 0, tp) for s in range(2)),
+                          "tp": sorted(layout.rank_of(pp, 0, t) for t in range(2))}

@@ -121,3 +121,47 @@ def test_four_processes_pp2_with_tp2_or_dp2():
 @pytest.mark.timeout(400)
 def test_eight_processes_pp2_tp2_dp2():
     _check(run_ranks(_layouts, 8, [(2, 2, name) for name in MODELS], timeout_s=390))
+
+
+def _sharded_optimizer_state(rank, pp, tp):
+    """ZeRO-1: each replica keeps Adam state for its share of its stage's parameters only, and
+    training still equals the unsplit model's on the global batch."""
+    example = _example("zoo_gpt2")
+    reference = copy.deepcopy(example.model)
+    smpart.init(pipeline_parallel_degree=pp, tensor_parallel_degree=tp, microbatches=MICROBATCHES,
+                shard_optimizer_state=True, timeout_s=60)
+    dp = smpart.dp_size()
+    model = smpart.DistributedModel(example.model)
+    opt = smpart.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    norms = []
+    for step in range(3):
+        args, kwargs, target = example.batch(PER_REPLICA * dp, seed=step)
+        mine = slice(smpart.dp_rank() * PER_REPLICA, (smpart.dp_rank() + 1) * PER_REPLICA)
+        train_step(model, example, [a[mine] for a in args], {}, target[mine])
+        reference_step(reference, example, args, kwargs, target, MICROBATCHES * dp)
+        norms.append(abs(opt.clip_grad_norm_(1.0).item()
+                         - torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0).item()))
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    held = [p for p in model.module.parameters() if p.device.type != "meta"]
+    with_state = sum(1 for p in held if p in opt.state)
+    full = model.state_dict()
+    worst = max((full[k] - v).abs().max().item() for k, v in reference.named_parameters())
+    stage = smpart.pp_rank()
+    smpart.shutdown()
+    return worst, max(norms), with_state, len(held), stage
+
+
+@pytest.mark.timeout(200)
+def test_sharded_optimizer_state_trains_like_the_unsplit_model():
+    results = values(run_ranks(_sharded_optimizer_state, 4, 2, 1, timeout_s=190))
+    by_stage: dict[int, list] = {}
+    for worst, norm_diff, with_state, held, stage in results:
+        assert worst <= TOL and norm_diff <= 1e-9, (worst, norm_diff)
+        assert 0 < with_state < held, (with_state, held)
+        by_stage.setdefault(stage, []).append((with_state, held))
+    # the two replicas of a stage split its parameters' state between them, each parameter once
+    for stage, shares in by_stage.items():
+        assert len(shares) == 2 and sum(s for s, _ in shares) == shares[0][1], (stage, shares)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from smpart.config import Config
 from smpart.errors import ConfigError
@@ -83,6 +84,9 @@ class Setup:
     pp_group: Any = None
     #: This rank's tensor-parallel group: the ranks sharing its stage in its replica.
     tp_group: Any = None
+    #: torch's ``DeviceMesh`` of the whole job, dimensions ``("pp", "dp", "tp")``; the three groups
+    #: above are its dimensions' groups (None where a dimension has one rank).
+    mesh: Any = None
 
 
 def layout_for(config: Config, world_size: int) -> Layout:
@@ -128,30 +132,19 @@ def setup(config: Config) -> Setup:
     layout = layout_for(config, world)
     device = torch.device("cuda", local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     collective_group = dist.new_group(backend="gloo")
-    dp_groups = [[layout.rank_of(pp, dp, tp) for dp in range(layout.dp)]
-                 for pp in range(layout.pp) for tp in range(layout.tp)]
-    pp_groups = [[layout.rank_of(pp, dp, tp) for pp in range(layout.pp)]
-                 for dp in range(layout.dp) for tp in range(layout.tp)]
-    tp_groups = [[layout.rank_of(pp, dp, tp) for tp in range(layout.tp)]
-                 for pp in range(layout.pp) for dp in range(layout.dp)]
+    mesh = device_mesh(layout, device.type)
+    groups = {name: mesh.get_group(name) if size > 1 else None
+              for name, size in (("pp", layout.pp), ("dp", layout.dp), ("tp", layout.tp))}
     return Setup(rank, world, local_rank, layout, device, dist.get_backend(), transport_group, created,
-                 collective_group, _own_group(dp_groups, rank), _own_group(pp_groups, rank),
-                 _own_group(tp_groups, rank))
+                 collective_group, groups["dp"], groups["pp"], groups["tp"], mesh)
 
 
-def _own_group(groups: list[list[int]], rank: int) -> Any:
-    """Every rank makes every group of a kind (collectively, in one order) and keeps its own; none
-    when the groups are the whole world or single ranks."""
-    if len(groups[0]) == 1:
-        return None
-    if len(groups) == 1:
-        return dist.group.WORLD
-    mine = None
-    for ranks in groups:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
-    return mine
+def device_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    """The job's ``DeviceMesh``: ``mesh[pp, dp, tp]`` is the rank at those coordinates, so the
+    placement strategy (which ranks are neighbours) is the layout's. Collective: every rank calls it."""
+    ranks = torch.tensor([[[layout.rank_of(pp, dp, tp) for tp in range(layout.tp)] for dp in range(layout.dp)]
+                          for pp in range(layout.pp)])
+    return DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "dp", "tp"))
 
 
 def teardown() -> None:

@@ -12,8 +12,12 @@ from smpart.runtime.model import DistributedModel
 from smpart.runtime.optimizer import DistributedOptimizer
 from smpart.runtime.ranks import (
     barrier,
+    device_mesh,
     dp_rank,
     dp_size,
+    get_dp_group,
+    get_pp_group,
+    get_tp_group,
     local_rank,
     pp_rank,
     pp_size,
@@ -31,8 +35,12 @@ from smpart.runtime.transport import ThreadTransport, Transport
 __all__ = [
     "Schedule",
     "barrier",
+    "device_mesh",
     "dp_rank",
     "dp_size",
+    "get_dp_group",
+    "get_pp_group",
+    "get_tp_group",
     "local_rank",
     "pp_rank",
     "pp_size",

@@ -2,6 +2,8 @@
 
 Placement moves parameters in place (the same `nn.Parameter` objects), so the wrapped optimizer
 needs no translation: each parameter's state is created on its own device at the first step.
+With ``shard_optimizer_state=True`` and data parallelism, the first step hands each replica its
+share of the parameters (`zero`).
 """
 
 from __future__ import annotations
@@ -19,10 +21,32 @@ class DistributedOptimizer:
             raise SmpartError("DistributedOptimizer wraps a torch.optim.Optimizer, "
                               f"got {type(optimizer).__name__}")
         self.optimizer = optimizer
+        self._sharded: Any = None  # zero.ShardedState, from the first step on when enabled
 
     def step(self, closure: Any = None) -> Any:
         self._adopt_replaced_parameters()
-        return self.optimizer.step(closure)
+        sharded = self._sharded_state()
+        result = self.optimizer.step(closure)
+        if sharded is not None:
+            sharded.broadcast()
+        return result
+
+    def _sharded_state(self) -> Any:
+        if self._sharded is None:
+            from smpart.runtime.runtime import running_runtime
+            from smpart.runtime.zero import ShardedState
+
+            runtime = running_runtime()
+            setup = getattr(runtime, "setup", None)
+            if setup is not None and runtime.config.shard_optimizer_state and setup.layout.dp > 1:
+                self._sharded = ShardedState(self.optimizer, setup.dp_group, setup.layout.dp)
+        return self._sharded
+
+    def _all_parameters(self) -> list[torch.Tensor]:
+        """Every parameter of the optimizer, including those another replica's state owns."""
+        if self._sharded is not None:
+            return list(self._sharded.params)
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def _adopt_replaced_parameters(self) -> None:
         """Placement replaces a parameter object only when it cannot change it in place (autograd
@@ -52,12 +76,19 @@ class DistributedOptimizer:
         groups = [g for g in (setup.pp_group, setup.tp_group) if g is not None] if setup is not None else []
         tensor_parallel = setup.tp_group if setup is not None else None
         self._adopt_replaced_parameters()
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        params = self._all_parameters()
         return clip_grad_norm_(params, max_norm, norm_type, groups=groups or None,
                                replicated_over=tensor_parallel, error_if_nonfinite=error_if_nonfinite)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self._sharded is not None:  # the parameters other replicas update have gradients too
+            for p in self._sharded.params:
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_().zero_()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -77,3 +77,32 @@ def barrier() -> None:
     group = getattr(runtime, "state_group", None)
     if group is not None:
         dist.barrier(group=group)
+
+
+def _setup():
+    return getattr(running_runtime(), "setup", None)
+
+
+def device_mesh():
+    """torch's ``DeviceMesh`` of the job, dimensions ``("pp", "dp", "tp")`` (None on threads):
+    ``device_mesh()["tp"]`` is this rank's tensor-parallel mesh, as DTensor APIs take it."""
+    setup = _setup()
+    return setup.mesh if setup is not None else None
+
+
+def get_pp_group():
+    """This rank's pipeline group: the stages of its replica (None when it is alone in it)."""
+    setup = _setup()
+    return setup.pp_group if setup is not None else None
+
+
+def get_dp_group():
+    """This rank's data-parallel group: its stage and tp rank in every replica (None when alone)."""
+    setup = _setup()
+    return setup.dp_group if setup is not None else None
+
+
+def get_tp_group():
+    """This rank's tensor-parallel group: the ranks sharing its stage (None when alone)."""
+    setup = _setup()
+    return setup.tp_group if setup is not None else None

@@ -165,3 +165,89 @@ def test_sharded_optimizer_state_trains_like_the_unsplit_model():
     # the two replicas of a stage split its parameters' state between them, each parameter once
     for stage, shares in by_stage.items():
         assert len(shares) == 2 and sum(s for s, _ in shares) == shares[0][1], (stage, shares)
+
+
+def _plans_best_config(rank):
+    """What the planner proposes for 4 devices runs as proposed: ``smpart.init(plan.config)``.
+    Every rank plans (the same inputs give the same plans); the best plan and the best with tensor
+    parallelism each train like the unsplit model on the global batch."""
+    from smpart.planner import Cluster, DeviceType, Node
+
+    example = _example("zoo_gpt2")
+    args, kwargs, target = example.batch(8, seed=0)
+    tree = smpart.trace(example.model, tuple(args), kwargs)
+    cpu = DeviceType("cpu", 0.05, 4 * 2**30)
+    plans = smpart.plan(tree, Cluster([Node(cpu, 4, 10 * 2**30)]), global_batch=8, top=50)
+    chosen = [plans.best, next(p for p in plans if p.tp > 1)]
+    report = []
+    for plan in chosen:
+        config = plan.config
+        smpart.init(config, timeout_s=60)
+        dp, microbatches = smpart.dp_size(), config.microbatches
+        example = _example("zoo_gpt2")
+        reference = copy.deepcopy(example.model)
+        model = smpart.DistributedModel(example.model)
+        opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        per = 8 // dp
+        for step in range(2):
+            args, kwargs, target = example.batch(8, seed=step)
+            mine = slice(smpart.dp_rank() * per, (smpart.dp_rank() + 1) * per)
+            train_step(model, example, [a[mine] for a in args], {}, target[mine])
+            reference_step(reference, example, args, kwargs, target, microbatches * dp)
+            for optimizer in (opt, ref_opt):
+                optimizer.step()
+                optimizer.zero_grad()
+        full = model.state_dict()
+        worst = max((full[k] - v).abs().max().item() for k, v in reference.named_parameters())
+        report.append(((plan.pp, plan.tp, plan.dp, microbatches), worst))
+        smpart.shutdown()
+    return report
+
+
+@pytest.mark.timeout(300)
+def test_the_planners_best_plan_runs_on_four_processes():
+    for report in values(run_ranks(_plans_best_config, 4, timeout_s=290)):
+        for degrees, worst in report:
+            assert worst <= TOL, (degrees, worst)
+        assert report[1][0][1] > 1, report
+
+
+def _wrong_world_size(rank):
+    from smpart.config import Config
+
+    try:
+        smpart.init(Config(pipeline_parallel_degree=2, tensor_parallel_degree=2, data_parallel_degree=2,
+                           microbatches=2))
+    except smpart.SmpartError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+def test_a_plans_config_on_the_wrong_number_of_processes_says_how_many_it_needs():
+    for text in values(run_ranks(_wrong_world_size, 2, timeout_s=80)):
+        assert "8 processes" in text and "nproc-per-node 8" in text, text
+
+
+def _too_many_shards(rank):
+    smpart.init(pipeline_parallel_degree=1, tensor_parallel_degree=2, microbatches=1, timeout_s=30)
+    model = smpart.DistributedModel(torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 1)))
+
+    @smpart.step
+    def step(model, x):
+        loss = model(x).sum()
+        model.backward(loss)
+        return loss
+
+    try:
+        step(model, torch.ones(2, 3))
+    except smpart.SmpartError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+def test_a_tensor_parallel_degree_that_splits_nothing_is_refused():
+    for text in values(run_ranks(_too_many_shards, 2, timeout_s=80)):
+        assert "tensor-parallel degree 2 splits none of Sequential's modules" in text, text

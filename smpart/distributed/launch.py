@@ -92,17 +92,17 @@ class Setup:
 def layout_for(config: Config, world_size: int) -> Layout:
     """The (pp, dp, tp) grid for ``world_size`` processes; dp derived when not given."""
     pp, tp = config.pipeline_parallel_degree, config.tensor_parallel_degree
+    dp_asked = config.data_parallel_degree
+    if dp_asked is not None and pp * tp * dp_asked != world_size:
+        need = pp * tp * dp_asked
+        raise ConfigError(f"this configuration needs pp x tp x dp = {pp} x {tp} x {dp_asked}"
+                          f" = {need} processes, but the job has {world_size}; launch it with "
+                          f"torchrun --nproc-per-node {need} (or leave data_parallel_degree unset)")
     if world_size % (pp * tp):
         raise ConfigError(f"the job has {world_size} processes, which is not a multiple of "
                           f"pipeline_parallel_degree x tensor_parallel_degree = {pp} x {tp} = {pp * tp}; "
                           f"launch a multiple of {pp * tp} processes (torchrun --nproc-per-node ...)")
     dp = world_size // (pp * tp)
-    if config.data_parallel_degree is not None and config.data_parallel_degree != dp:
-        need = pp * tp * config.data_parallel_degree
-        dp_asked = config.data_parallel_degree
-        raise ConfigError(f"this configuration needs pp x tp x dp = {pp} x {tp} x {dp_asked}"
-                          f" = {need} processes, but the job has {world_size}; launch it with "
-                          f"torchrun --nproc-per-node {need} (or leave data_parallel_degree unset)")
     return Layout(pp, dp, tp, config.placement_strategy)
 
 

@@ -7,8 +7,10 @@ file system and sync their files (DCP fsyncs; the baseline file is fsynced too),
 
     .venv/bin/python bench/checkpoint.py [--embd 1024 --layers 8 --repeats 3 --dir /tmp]
 
-``--procs N`` is the place for the multi-process layouts (N ranks each saving its stage, and the
-same checkpoint read back by another layout); only 1 is implemented here.
+``--procs N`` (N > 1): the model on N pipeline stages, one process each (smpart's process runtime,
+gloo): every rank writes its own stage's tensors in parallel, then reads them back; the same
+checkpoint is then read by the plain model in one process (another layout). The rows are rank 0's
+medians (every call is collective, so rank 0's time is the slowest rank's).
 """
 
 from __future__ import annotations
@@ -98,8 +100,57 @@ def run_one_process(args: argparse.Namespace, root: Path) -> list[tuple[str, flo
     return rows
 
 
+# ------------------------------------------------------------------------------ N processes
+def _stage_rank(rank: int, args: argparse.Namespace, root: str) -> tuple[float, float, int]:
+    """On every rank: place the model on N stages, take one AdamW step, time save and load."""
+    import smpart
+
+    torch.set_num_threads(1)
+    world = int(os.environ["WORLD_SIZE"])
+    smpart.init(pipeline_parallel_degree=world, microbatches=1, timeout_s=600)
+    try:
+        model, optimizer = build(args)  # every rank builds it whole (same seed); placement keeps its stage
+        model = smpart.DistributedModel(model)
+        optimizer = smpart.DistributedOptimizer(optimizer)
+        example = gpt2(vocab_size=args.vocab, seq_len=64, n_layer=args.layers, n_head=8, n_embd=args.embd,
+                       batch_size=1)
+
+        @smpart.step
+        def evaluate(model, ids):
+            return model(ids)
+
+        with torch.no_grad():
+            evaluate(model, *example.args)  # places the model
+        path = Path(root) / "smpart_ckpt"
+
+        def clear() -> None:
+            smpart.barrier()
+            if rank == 0 and path.is_dir():
+                shutil.rmtree(path)
+            smpart.barrier()
+
+        save = timed(lambda: smpart.save_checkpoint(path, model, optimizer, extra={"step": 1}), args.repeats,
+                     clear)
+        load = timed(lambda: smpart.load_checkpoint(path, model, optimizer), args.repeats, smpart.barrier)
+        return save, load, directory_bytes(path)
+    finally:
+        smpart.shutdown()
+
+
+def run_processes(args: argparse.Namespace, root: Path) -> list[tuple[str, float, float, float]]:
+    from bench.processes import RankPool
+
+    with RankPool(args.procs) as pool:
+        save, load, written = pool.run(_stage_rank, args, str(root), timeout_s=1800)[0]
+    rows = [(f"smpart, {args.procs} stages", save, load, written)]
+    model, optimizer = build(args)
+    plain = timed(lambda: load_checkpoint(root / "smpart_ckpt", model, optimizer), args.repeats)
+    rows.append(("  read by 1 process", float("nan"), plain, written))
+    rows += run_one_process(args, root)
+    return rows
+
+
 # ------------------------------------------------------------------------------ main
-RUNNERS = {1: run_one_process}
 
 
 def main() -> None:
@@ -108,17 +159,17 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--procs", type=int, default=1, help="processes (only 1 so far)")
+    parser.add_argument("--procs", type=int, default=1, help="processes, one pipeline stage each")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args()
-    if args.procs not in RUNNERS:
-        parser.error(f"--procs {args.procs}: only {sorted(RUNNERS)} implemented so far")
+    if args.procs < 1:
+        parser.error("--procs must be >= 1")
     model, optimizer = build(args)
     params = sum(p.numel() for p in model.parameters())
     state_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied weight once
     del model, optimizer
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
-        rows = RUNNERS[args.procs](args, Path(root))
+        rows = (run_one_process if args.procs == 1 else run_processes)(args, Path(root))
     print(f"GPT, {params / 1e6:.0f} M parameters ({state_bytes / MB:.0f} MB of weights, float32) + AdamW "
           f"state; {args.procs} process(es), {torch.get_num_threads()} threads, medians of {args.repeats}")
     print(f"{'':22}{'save (s)':>10}{'load (s)':>10}{'written (MB)':>14}{'save MB/s':>11}")

@@ -113,13 +113,15 @@ def allreduce_rank(rank: int, steps: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    results: dict[str, list[float]] = {"smpart dp=2": [], "ddp": [], "ddp no_sync": [], "all-reduce alone": []}
+    names = ("smpart dp=2", "ddp", "ddp no_sync", "all-reduce alone")
+    results: dict[str, list[float]] = {name: [] for name in names}
     with RankPool(2) as pool:
         for _ in range(args.rounds):
             results["smpart dp=2"] += pool.run(smpart_rank, args.steps, args.warmup)[0]

@@ -523,9 +523,9 @@ class StageServer:
         start = time.time()
         try:
             messages = self._take_backlog(run, mb, claim)
-        except (Cancelled, TimedOut) as err:
+        except (Cancelled, TimedOut, SmpartError) as err:
             run.scheduler.release(claim)
-            if isinstance(err, TimedOut):
+            if not isinstance(err, Cancelled):
                 failure = PipelineError(str(err), stage=self.stage, microbatch=mb, rank=self.rank)
                 self.send(run.coordinator, Failed(run.step, failure))
             return

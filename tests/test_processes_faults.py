@@ -121,10 +121,10 @@ def test_bad_launches_are_clear_errors_on_every_rank():
     three = {"pipeline_parallel_degree": 3}
     for result in run_ranks(_init_only, 2, {0: three, 1: three}, timeout_s=60):
         assert "not a multiple of" in result.value, result
-    # tensor parallelism inside a pipeline is not supported yet: said, not silently wrong
-    both = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2}
-    for result in run_ranks(_init_only, 4, dict.fromkeys(range(4), both), timeout_s=60):
-        assert "not supported yet" in result.value, result
+    # a data-parallel degree that does not multiply up to the world: the processes it needs
+    asked = {"pipeline_parallel_degree": 1, "data_parallel_degree": 4}
+    for result in run_ranks(_init_only, 2, {0: asked, 1: asked}, timeout_s=60):
+        assert "= 4 processes" in result.value, result
     # ranks disagree about the configuration
     results = run_ranks(_init_only, 2, {0: {"pipeline_parallel_degree": 2, "microbatches": 2},
                                         1: {"pipeline_parallel_degree": 2, "microbatches": 4}}, timeout_s=60)

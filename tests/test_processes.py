@@ -274,9 +274,8 @@ def test_data_parallel_replicas_train_like_the_unsplit_model_on_the_global_batch
         assert worst <= TOL, (worst, differing)
 
 
-def _uneven_replicas(rank):
-    smpart.init(pipeline_parallel_degree=1, microbatches=1, timeout_s=30)
-    model = smpart.DistributedModel(torch.nn.Linear(4, 1))
+def error_of_a_step(model, x) -> str:
+    """The `SmpartError` one training step on ``x`` raises here, as text ("no error" if none)."""
 
     @smpart.step
     def step(model, x):
@@ -285,10 +284,16 @@ def _uneven_replicas(rank):
         return loss
 
     try:
-        step(model, torch.ones(4 + smpart.dp_rank(), 4))
+        step(model, x)
     except smpart.SmpartError as err:
         return str(err)
     return "no error"
+
+
+def _uneven_replicas(rank):
+    smpart.init(pipeline_parallel_degree=1, microbatches=1, timeout_s=30)
+    model = smpart.DistributedModel(torch.nn.Linear(4, 1))
+    return error_of_a_step(model, torch.ones(4 + smpart.dp_rank(), 4))
 
 
 @pytest.mark.timeout(90)

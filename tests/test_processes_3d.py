@@ -21,7 +21,9 @@ import torch
 
 import smpart
 from tests.launch import run_ranks, values
+from tests.test_processes import error_of_a_step
 from tests.test_runtime import reference_step, train_step
+from tests.test_tensor_parallel import hf_causal_lm
 
 TOL = 1e-6
 MICROBATCHES = 2
@@ -32,19 +34,8 @@ class HuggingFaceExample:
     """A Hugging Face causal LM as built, fed token ids as its own labels (its loss is the output's)."""
 
     def __init__(self, name: str) -> None:
-        import transformers
-
         torch.manual_seed(0)
-        common = {"vocab_size": 64, "bos_token_id": 0, "eos_token_id": 0}
-        if name == "llama_gqa":
-            config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                              num_key_value_heads=2, num_hidden_layers=2, **common)
-            model = transformers.LlamaForCausalLM(config)
-        else:
-            config = transformers.GPT2Config(n_embd=32, n_head=4, n_layer=2, n_positions=32, resid_pdrop=0.0,
-                                             embd_pdrop=0.0, attn_pdrop=0.0, **common)
-            model = transformers.GPT2LMHeadModel(config)
-        self.model = model.to(torch.float64)
+        self.model = hf_causal_lm(name)
 
     def batch(self, size: int, seed: int):
         ids = torch.randint(64, (size, 12), generator=torch.Generator().manual_seed(seed))
@@ -233,18 +224,7 @@ def test_a_plans_config_on_the_wrong_number_of_processes_says_how_many_it_needs(
 def _too_many_shards(rank):
     smpart.init(pipeline_parallel_degree=1, tensor_parallel_degree=2, microbatches=1, timeout_s=30)
     model = smpart.DistributedModel(torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 1)))
-
-    @smpart.step
-    def step(model, x):
-        loss = model(x).sum()
-        model.backward(loss)
-        return loss
-
-    try:
-        step(model, torch.ones(2, 3))
-    except smpart.SmpartError as err:
-        return str(err)
-    return "no error"
+    return error_of_a_step(model, torch.ones(2, 3))
 
 
 @pytest.mark.timeout(90)

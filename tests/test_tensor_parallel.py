@@ -196,19 +196,23 @@ def _model_case(name: str):
 
         ex = gpt2(dtype=torch.float64)
         return ex.model, lambda m: ex.loss(m(*ex.args), ex.target)
+    ids = torch.randint(64, (2, 12), generator=torch.Generator().manual_seed(1))
+    return hf_causal_lm(name), lambda m: m(input_ids=ids, labels=ids).loss
+
+
+def hf_causal_lm(name: str) -> nn.Module:
+    """A tiny float64 Hugging Face causal LM, vocabulary 64, no dropout: ``"llama_gqa"`` (4 heads
+    over 2 key/value heads) or ``"hf_gpt2"`` (fused q/k/v ``Conv1D``). Seed it before calling."""
     import transformers
 
-    ids = torch.randint(64, (2, 12), generator=torch.Generator().manual_seed(1))
     common = {"vocab_size": 64, "bos_token_id": 0, "eos_token_id": 0}
     if name == "llama_gqa":
         config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                           num_key_value_heads=2, num_hidden_layers=2, **common)
-        model = transformers.LlamaForCausalLM(config)
-    else:
-        config = transformers.GPT2Config(n_embd=32, n_head=4, n_layer=2, n_positions=32, resid_pdrop=0.0,
-                                         embd_pdrop=0.0, attn_pdrop=0.0, **common)
-        model = transformers.GPT2LMHeadModel(config)
-    return model.to(torch.float64), lambda m: m(input_ids=ids, labels=ids).loss
+        return transformers.LlamaForCausalLM(config).to(torch.float64)
+    config = transformers.GPT2Config(n_embd=32, n_head=4, n_layer=2, n_positions=32, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    return transformers.GPT2LMHeadModel(config).to(torch.float64)
 
 
 def _check_model(name: str, rank: int) -> dict[str, object]:

@@ -49,20 +49,22 @@ HETERO_MODEL = [
 
 def gpt2_24_tree():
     from examples.models import gpt2
+    from smpart.tensor_parallel import record_split_shares
     from smpart.tracing.tracer import trace
 
     ex = gpt2(n_layer=24, n_embd=1024, n_head=16, seq_len=1024, vocab_size=52256, batch_size=1, device="meta",
               dtype=torch.float16)
-    return trace(ex.model, ex.args, ex.kwargs, device="meta")
+    return record_split_shares(trace(ex.model, ex.args, ex.kwargs, device="meta"), ex.model)
 
 
 def transgan_tree():
     from examples.models import transgan
+    from smpart.tensor_parallel import record_split_shares
     from smpart.tracing.tracer import trace
 
     ex = transgan(wide=1024, narrow=16, bottom_width=9, wide_heads=16, narrow_heads=1, batch_size=1,
                   device="meta", dtype=torch.float16)
-    return trace(ex.model, ex.args, ex.kwargs, device="meta")
+    return record_split_shares(trace(ex.model, ex.args, ex.kwargs, device="meta"), ex.model)
 
 
 def p3_8xlarge() -> Node:

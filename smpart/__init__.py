@@ -3,6 +3,8 @@
 The public API, re-exported; nothing inside the package imports from here.
 """
 
+import functools
+
 from smpart.config import Config
 from smpart.errors import (
     CheckpointError,
@@ -21,7 +23,7 @@ from smpart.tracing.tree import DataEdge, ModuleNode, ModuleTree
 # ``smpart.partition`` (the function) must win over the subpackage of the same name, which Python
 # binds as an attribute of ``smpart`` when a ``smpart.partition.*`` module is first imported.
 # isort: split
-from smpart.tracing.tracer import trace
+from smpart.tracing import tracer as _tracer
 
 # isort: split
 from smpart.partition.api import partition
@@ -53,7 +55,7 @@ from smpart.runtime import (
 )
 from smpart.runtime.activation_checkpointing import set_activation_checkpointing
 from smpart.runtime.boundary import register_carried_state
-from smpart.tensor_parallel import set_tensor_parallelism, tensor_parallelism
+from smpart.tensor_parallel import record_split_shares, set_tensor_parallelism, tensor_parallelism
 
 # isort: split
 from smpart.checkpoint import load_checkpoint, load_weights, save_checkpoint
@@ -62,6 +64,18 @@ from smpart.checkpoint import load_checkpoint, load_weights, save_checkpoint
 from smpart.planner import Cluster, DeviceType, Plan, Plans, plan
 
 __version__ = "0.1.0"
+
+
+@functools.wraps(_tracer.trace)
+def trace(model, example_args, example_kwargs=None, device="meta", **options) -> ModuleTree:
+    tree = _tracer.trace(model, example_args, example_kwargs, device, **options)
+    return record_split_shares(tree, model)
+
+
+trace.__doc__ = (_tracer.trace.__doc__ or "") + """
+    The tree also records, for tensor-parallel degrees 2, 4 and 8, what the swap-in would split
+    of each node (`smpart.tensor_parallel.record_split_shares`), so `smpart.plan` prices it.
+"""
 
 __all__ = [
     "CheckpointError",

@@ -148,13 +148,14 @@ def _add_plan(sub: Any) -> None:
 
 def _cmd_plan(args: argparse.Namespace, console: Console) -> None:
     from smpart.planner import Cluster, plan
+    from smpart.tensor_parallel import record_split_shares
     from smpart.tracing.tracer import trace
 
     cluster = Cluster.from_toml(args.cluster)
     model, example_args, kwargs = load_example(args.model)
     first = example_args[0] if example_args else None
     trace_batch = int(first.shape[0]) if getattr(first, "ndim", 0) >= 1 else 1
-    tree = trace(model, example_args, kwargs, device=args.device)
+    tree = record_split_shares(trace(model, example_args, kwargs, device=args.device), model)
     plans = plan(tree, cluster, args.global_batch, top=args.top, pipeline=args.pipeline,
                  trace_batch=trace_batch)
     if args.json:

@@ -14,7 +14,7 @@ from smpart.planner import Cluster, CostOptions, Node, StageDevices, assign_laye
 from smpart.planner.cluster import GBPS, GBS, GIB, DeviceType
 from smpart.planner.cost import CostModel
 from smpart.planner.layers import layer_sequence
-from smpart.tracing.tree import DataEdge, ModuleTree
+from smpart.tracing.tree import DataEdge, ModuleTree, SplitShare
 
 
 def gpt_tree(n_layer: int = 8, hidden: int = 1024, seq: int = 1024, vocab: int = 50257,
@@ -479,3 +479,88 @@ def test_a_traced_model_is_planned_with_its_blocks_checkpointed():
     # whole blocks; not the tied embedding + LM head: checkpointed, it would keep the logits anyway
     assert names and all(re.fullmatch(r"transformer\.h\.\d+", name) for name in names)
     assert checkpointed_names(example.model, names, registry=None) == names
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+def _split_tree() -> ModuleTree:
+    """Two equal layers; at tp = 2 the swap-in splits all of ``split`` (its output all-reduced
+    forward, its input's gradient backward) and nothing of ``whole``."""
+    split = SplitShare(params=1.0, flops=1.0, forward_bytes=1e6, backward_bytes=3e6, style="column")
+    leaf = {"flops": 1e12, "param_count": 10**6, "param_bytes": 4 * 10**6, "saved_bytes": 8 * 10**6,
+            "activation_bytes": 10**6}
+    tree = ModuleTree.from_spec({"name": "", "children": [
+        {"name": "split", **leaf, "tp_split": {2: split}}, {"name": "whole", **leaf}]})
+    tree.tp_degrees = (2,)
+    return tree
+
+
+def test_tensor_parallelism_divides_only_what_the_swap_in_splits():
+    """Hand-worked: on a tp = 2 group the split layer runs at twice a device's speed, holds half
+    its state and activations and pays its collectives; the whole layer costs what it does on one
+    device."""
+    layers = layer_sequence(_split_tree())
+    cluster = Cluster([Node(DeviceType("D", 100.0, 80 * GIB), 2, 100 * GBPS)])
+    devices = tuple(cluster.devices())
+    model = CostModel(layers, cluster, CostOptions(bytes_per_param=16.0))
+    costs = model.strategy([StageDevices((devices,))], 2, 1, 1)
+    one_device = 1e12 * 3 / (100e12 * 0.4)
+    allreduce = 2 * (2 - 1) / 2 * (1e6 + 3e6) / (100 * GBPS)
+    assert costs.layer_times[0] == pytest.approx([one_device / 2 + allreduce, one_device])
+    (row, _), = costs.replica_memory[0]
+    assert row == pytest.approx([16e6 / 2 + 8e6 / 2, 16e6 + 8e6])
+    stages = [StageDevices(((devices[0],), (devices[1],)))]  # and data parallelism syncs what each holds
+    assert model.dp_sync_time(stages, (0,), 2)[0] == pytest.approx(
+        2 * 1 / 2 * (1e6 / 2 + 1e6) * 2 / (100 * GBPS))
+
+
+def test_tensor_split_records_survive_json():
+    tree = _split_tree()
+    again = ModuleTree.from_json(tree.to_json())
+    assert again.tp_degrees == (2,) and again.node("split").tp_split == tree.node("split").tp_split
+    assert again.node("whole").tp_split == {}
+
+
+def test_a_degree_that_splits_nothing_or_was_not_recorded_is_never_proposed():
+    tree = _split_tree()
+    cluster = Cluster([Node(DeviceType("D", 100.0, 80 * GIB), 4, 100 * GBPS)])
+    assert {p.tp for p in plan(tree, cluster, 8, top=1000)} == {1, 2}  # 4 was not recorded
+    for node in tree.nodes():
+        node.tp_split = {}
+    assert {p.tp for p in plan(tree, cluster, 8, top=1000)} == {1}
+    tree.tp_degrees = ()  # no records at all (a tree built by hand): priced as if all split
+    assert {p.tp for p in plan(tree, cluster, 8, top=1000)} == {1, 2, 4}
+
+
+def test_transgan_one_head_attention_is_priced_whole_so_tensor_parallelism_loses():
+    """The AMP paper's TransGAN setting: its narrow blocks have one attention head, which the
+    swap-in keeps whole. Priced as if everything split, tp = 2 would win; priced as the runtime
+    splits, the narrow blocks cost as much on a tp group as on one device and no tp plan wins."""
+    import warnings
+
+    import torch
+
+    import smpart
+    from examples.models import transgan
+
+    ex = transgan(wide=1024, narrow=16, bottom_width=9, wide_heads=16, narrow_heads=1, batch_size=1,
+                  device="meta", dtype=torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tree = smpart.trace(ex.model, ex.args, ex.kwargs)
+    assert tree.tp_degrees == (2, 4, 8)
+    assert tree.node("narrow_blocks.0.attn.c_attn").tp_split[2].flops == 0.0
+    assert tree.node("wide_blocks.0.attn.c_attn").tp_split[2].flops == 1.0
+    cluster = Cluster([Node(device_type("V100"), 4, 170 * GBPS) for _ in range(4)], 10 * GBPS)
+    unknown = ModuleTree.from_dict({**tree.to_dict(), "tp_degrees": []})
+    assert plan(unknown, cluster, 64).best.tp > 1
+    assert plan(tree, cluster, 64).best.tp == 1
+
+    model = CostModel(layer_sequence(tree), cluster)
+    narrow = model.layers.names.index("narrow_blocks.0")
+    wide = model.layers.names.index("wide_blocks.0")
+    device = next(cluster.devices()).type
+    speed, bandwidth = device.flops * 0.4, device.memory_bandwidth * 0.7
+    one = model.sample_times(speed, bandwidth)
+    group = model.sample_times(2 * speed, 2 * bandwidth, tp=2)  # a tp = 2 group: twice the devices
+    assert group[narrow] == pytest.approx(one[narrow], rel=0.05)
+    assert group[wide] < 0.6 * one[wide]

@@ -161,7 +161,8 @@ def test_sharded_optimizer_state_trains_like_the_unsplit_model():
 def _plans_best_config(rank):
     """What the planner proposes for 4 devices runs as proposed: ``smpart.init(plan.config)``.
     Every rank plans (the same inputs give the same plans); the best plan and the best with tensor
-    parallelism each train like the unsplit model on the global batch."""
+    parallelism each train like the unsplit model on the global batch, and each rank holds the
+    parameters the planner said it would."""
     from smpart.planner import Cluster, DeviceType, Node
 
     example = _example("zoo_gpt2")
@@ -191,16 +192,28 @@ def _plans_best_config(rank):
                 optimizer.zero_grad()
         full = model.state_dict()
         worst = max((full[k] - v).abs().max().item() for k, v in reference.named_parameters())
-        report.append(((plan.pp, plan.tp, plan.dp, microbatches), worst))
+        predicted = plan.parameters_per_rank()[smpart.pp_rank()]
+        held = _held_parameters(model)
+        report.append(((plan.pp, plan.tp, plan.dp, microbatches), worst, (held, predicted)))
         smpart.shutdown()
     return report
+
+
+def _held_parameters(model) -> int:
+    """Parameter elements this rank holds: its stage's, and of split ones its shard."""
+    from torch.distributed.tensor import DTensor
+
+    held = [p.to_local() if isinstance(p, DTensor) else p for p in model.module.parameters()]
+    return sum(p.numel() for p in held if p.device.type != "meta")
 
 
 @pytest.mark.timeout(300)
 def test_the_planners_best_plan_runs_on_four_processes():
     for report in values(run_ranks(_plans_best_config, 4, timeout_s=290)):
-        for degrees, worst in report:
+        for degrees, worst, (held, predicted) in report:
             assert worst <= TOL, (degrees, worst)
+            # the planner priced the memory this rank really holds (the swap-in's own split)
+            assert held == pytest.approx(predicted, rel=1e-9), (degrees, held, predicted)
         assert report[1][0][1] > 1, report
 
 

@@ -6,8 +6,13 @@ AMP's top-down decomposition, generalised to stages whose device groups differ:
   devices of one node. The stage's ``dp`` micro-batches (one per pipeline replica) are split
   across replicas in proportion to their speed, as Metis does, so a mixed stage finishes them all
   together: compute time = FLOPs × samples / Σ replica speed, where a replica's speed is ``tp`` ×
-  its slowest device × ``efficiency``. Tensor parallelism adds Megatron's four all-reduces of the
-  layer's output per layer (two forward, two backward), each ``2(tp−1)/tp · bytes / intra-node bw``.
+  its slowest device × ``efficiency``. **Tensor parallelism** divides by ``tp`` only what the
+  runtime's swap-in splits: the tree records, per node and degree, the share of its FLOPs and
+  parameters that are split and the bytes its collectives move (`SplitShare`, from the swap-in's
+  own rule); the rest (norms, an attention with one head) runs whole on every rank of the group.
+  Each collective costs ``2(tp−1)/tp · bytes / intra-node bw`` (an all-gather half that). A tree
+  without records is priced the idealised way: everything divides, plus Megatron's four
+  all-reduces of each layer's output (two forward, two backward).
 * **Memory-bound layers (a roofline).** A layer cannot run faster than its memory traffic
   allows: ``max(FLOPs / speed, traffic / (memory bandwidth × bandwidth_efficiency))``, where the
   traffic is twice the bytes its operations write (each written once, read back at least once),
@@ -21,10 +26,12 @@ AMP's top-down decomposition, generalised to stages whose device groups differ:
   ``e_j`` sends the activation forward and its gradient back over the boundary's slowest link
   (``2·(α + bytes / bandwidth)``, ``α`` = ``message_latency_s``); ``t_i`` includes a fixed
   ``microbatch_overhead_s`` per micro-batch (zero by default).
-* **Data parallel.** Each stage ring-all-reduces its gradients (``2(n−1)/n · bytes / bw``, the
-  slowest link among the stage's nodes); the slowest stage sets the time, added once per step.
-* **Memory per device.** parameter state × ``bytes_per_param`` / tp + activations of the
-  micro-batches in flight (interleaved: ``pp − stage``; simple: all ``B``) / tp + buffers, against
+* **Data parallel.** Each stage ring-all-reduces the gradients of what one rank holds
+  (``2(n−1)/n · bytes / bw``, the slowest link among the stage's nodes); the slowest stage sets
+  the time, added once per step.
+* **Memory per device.** parameter state × ``bytes_per_param`` (of split parameters 1/tp) +
+  activations of the micro-batches in flight (interleaved: ``pp − stage``; simple: all ``B``;
+  those of split nodes 1/tp) + buffers, against
   ``memory_fraction`` of the device's memory. A micro-batch's activations are the tensors
   autograd saves for its backward, as the trace counted them (`LayerSeq.activation_bytes`), not
   the modules' outputs: those are 3-5× smaller for a transformer block (its attention scores and
@@ -50,7 +57,7 @@ import numpy as np
 
 from smpart.errors import PlanError
 from smpart.planner.cluster import Cluster, Device
-from smpart.planner.layers import LayerSeq
+from smpart.planner.layers import LayerSeq, TensorSplit
 
 
 @dataclass(frozen=True)
@@ -192,7 +199,8 @@ class CostModel:
         self.recompute_flops = layers.node_recompute * forward_to_flops
         forward_traffic = 0.0 if measured else 2.0 * opts.activation_scale * per_sample
         self.recompute_traffic = layers.node_op_bytes * layers.node_recomputed * forward_traffic
-        self._sample_times: dict[tuple[float, float, bool], np.ndarray] = {}
+        self._sample_times: dict[tuple[float, float, bool, int], np.ndarray] = {}
+        self._splits: dict[int, TensorSplit | None] = {}
         self.act = layers.activation_bytes * opts.activation_scale * per_sample
         self.act_checkpointed = layers.checkpoint_activation_bytes * opts.activation_scale * per_sample
         outputs = np.array([root.activation_bytes for root in layers.roots], dtype=float)
@@ -245,7 +253,7 @@ class CostModel:
     def _layer_times(self, stage: StageDevices, tp: int, microbatch_size: int,
                      checkpointed: bool = False) -> np.ndarray:
         samples = microbatch_size * len(stage.replicas)
-        per_sample = np.array([self.sample_times(speed, bandwidth, checkpointed) for speed, bandwidth in
+        per_sample = np.array([self.sample_times(speed, bandwidth, checkpointed, tp) for speed, bandwidth in
                                zip(stage.replica_speeds(self.options), stage.replica_bandwidths(self.options),
                                    strict=True)])  # (replicas, layers)
         # each replica takes its share of the samples; the stage waits for the last to finish
@@ -254,20 +262,38 @@ class CostModel:
             return compute
         bandwidth = min(self.cluster.bandwidth(r[0].node, r[0].node) for r in stage.replicas)
         biggest = samples * self._shares(stage).max()
-        # two all-reduces forward, two backward; a recomputed forward repeats its two
-        count = 4 + 2 * (checkpointed & self.layers.checkpointable)
-        allreduce = count * 2 * (tp - 1) / tp * self.out * biggest / bandwidth
-        return compute + np.where(self.has_params, allreduce, 0.0)
+        return compute + 2 * (tp - 1) / tp * self._collective_bytes(tp, checkpointed) * biggest / bandwidth
 
-    def sample_times(self, speed: float, bandwidth: float, checkpointed: bool = False) -> np.ndarray:
+    def split(self, tp: int) -> TensorSplit | None:
+        """The layers split ``tp`` ways by the swap-in's rule (None: everything divides by ``tp``)."""
+        if tp not in self._splits:
+            self._splits[tp] = self.layers.tensor_split(tp)
+        return self._splits[tp]
+
+    def _collective_bytes(self, tp: int, checkpointed: bool) -> np.ndarray:
+        """Per layer and sample: all-reduce-equivalent bytes of its tensor-parallel collectives."""
+        recomputed = checkpointed & self.layers.checkpointable  # a recomputed forward repeats its own
+        split = self.split(tp)
+        if split is None:  # Megatron's count: two all-reduces of the output forward, two backward
+            count = 4 + 2 * recomputed
+            return np.where(self.has_params, count * self.out, 0.0)
+        scale = self.options.activation_scale / max(self.options.trace_batch, 1)
+        return (split.forward_bytes * (1 + recomputed) + split.backward_bytes) * scale
+
+    def sample_times(self, speed: float, bandwidth: float, checkpointed: bool = False,
+                     tp: int = 1) -> np.ndarray:
         """Seconds per sample (forward + backward) of each layer on a replica of this FLOP/s and
         memory bytes/s: the roofline of each node, summed per layer (``checkpointed``: with the
-        recomputed forward of every checkpointable layer)."""
-        key = (speed, bandwidth, checkpointed)
+        recomputed forward of every checkpointable layer). The replica is a tensor-parallel group
+        of ``tp`` devices: a node the split leaves whole runs at one device's speed."""
+        key = (speed, bandwidth, checkpointed, tp)
         if key not in self._sample_times:
             flops, traffic = self.node_flops, self.node_traffic
             if checkpointed:
                 flops, traffic = flops + self.recompute_flops, traffic + self.recompute_traffic
+            split = self.split(tp)
+            if split is not None:
+                flops, traffic = flops * split.node_scale, traffic * split.node_scale
             per_node = np.maximum(flops / speed, traffic / bandwidth)
             self._sample_times[key] = np.bincount(self.layers.node_layer, per_node,
                                                   minlength=len(self.layers))
@@ -277,13 +303,24 @@ class CostModel:
                         in_flight: int, checkpointed: bool = False) -> list[tuple[np.ndarray, float]]:
         """Per replica: bytes each layer takes on one of its devices, and that device's budget."""
         samples = microbatch_size * len(stage.replicas)
-        act = self.act_checkpointed if checkpointed else self.act
+        state, act = self._per_rank(tp, checkpointed)
         out = []
         for replica, share in zip(stage.replicas, self._shares(stage), strict=True):
             budget = min(d.type.memory_bytes for d in replica) * self.options.memory_fraction
-            row = self.state / tp + self.layers.buffer_bytes + act * samples * share * in_flight / tp
+            row = state + self.layers.buffer_bytes + act * samples * share * in_flight
             out.append((row, budget))
         return out
+
+    def _per_rank(self, tp: int, checkpointed: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Per layer: training-state bytes, and activation bytes per sample, on one rank of a
+        ``tp``-way group. A checkpointed layer keeps its inputs, which every rank holds whole."""
+        split = self.split(tp)
+        if split is None:
+            return self.state / tp, (self.act_checkpointed if checkpointed else self.act) / tp
+        act = split.activation_bytes * self.options.activation_scale / max(self.options.trace_batch, 1)
+        if checkpointed:
+            act = np.where(self.layers.checkpointable, self.act_checkpointed, act)
+        return self.state * split.param_ratio, act
 
     def _p2p_bandwidth(self, a: StageDevices, b: StageDevices) -> float:
         pairs = zip(a.replicas, b.replicas, strict=True)
@@ -298,7 +335,9 @@ class CostModel:
             if n == 1:
                 out.append(0.0)
                 continue
-            params = self.layers.param_count[bounds[j]:bounds[j + 1]].sum()
-            nbytes = params * self.options.grad_bytes_per_param / tp
+            split = self.split(tp)
+            ratio = np.full(len(self.layers), 1 / tp) if split is None else split.param_ratio
+            params = (self.layers.param_count * ratio)[bounds[j]:bounds[j + 1]].sum()
+            nbytes = params * self.options.grad_bytes_per_param
             out.append(2 * (n - 1) / n * nbytes / self.cluster.slowest_link(stage.nodes))
         return out

@@ -32,7 +32,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from smpart.partition.result import Partition
-from smpart.tracing.tree import INPUT, SAVED, ModuleNode, ModuleTree, with_activation_checkpointing
+from smpart.tracing.tree import (
+    INPUT,
+    SAVED,
+    ModuleNode,
+    ModuleTree,
+    SplitShare,
+    with_activation_checkpointing,
+)
 
 #: A subtree above this share of the model's cost is opened into its children.
 DEFAULT_MAX_SHARE = 1 / 8
@@ -72,6 +79,8 @@ class LayerSeq:
     #: the compute of that extra forward in the tree's raw unit (forward FLOPs, or seconds).
     node_recomputed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     node_recompute: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    #: Per node (as ``node_layer``): the nodes themselves, for what a tensor-parallel split divides.
+    nodes: list[ModuleNode] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not len(self.node_layer):  # no per-node costs given: one pseudo-node per layer, FLOPs only
@@ -87,6 +96,38 @@ class LayerSeq:
 
     def __len__(self) -> int:
         return len(self.roots)
+
+    def splits(self, tp: int) -> bool:
+        """Whether the runtime's swap-in would split anything ``tp`` ways (unknown: assume so)."""
+        if tp == 1 or not self.tree.tp_degrees:
+            return True
+        return tp in self.tree.tp_degrees and any(
+            n.tp_split[tp].split for n in self.tree.nodes() if tp in n.tp_split)
+
+    def tensor_split(self, tp: int) -> TensorSplit | None:
+        """What a ``tp``-way split leaves to each rank, from the tree's `SplitShare` records;
+        None for a tree without them (the cost model then divides everything by ``tp``)."""
+        if tp == 1 or not self.tree.tp_degrees or not self.nodes:
+            return None
+        shares = [n.tp_split.get(tp, SplitShare()) for n in self.nodes]
+        flops = np.array([s.flops for s in shares])
+        params = np.array([s.params for s in shares])
+        node_params = np.array([n.param_count for n in self.nodes], dtype=float)
+        node_activation = np.array([self.tree.activation_memory_of(n) for n in self.nodes], dtype=float)
+
+        def per_layer(values: np.ndarray) -> np.ndarray:
+            return np.bincount(self.node_layer, values, minlength=len(self))
+
+        kept = 1 - flops + flops / tp
+        param_total = per_layer(node_params)
+        param_kept = per_layer(node_params * (1 - params + params / tp))
+        return TensorSplit(
+            node_scale=tp * (1 - flops) + flops,
+            param_ratio=np.divide(param_kept, param_total, out=np.ones(len(self)), where=param_total > 0),
+            activation_bytes=per_layer(node_activation * kept),
+            forward_bytes=per_layer(np.array([s.forward_bytes for s in shares])),
+            backward_bytes=per_layer(np.array([s.backward_bytes for s in shares])),
+        )
 
     @property
     def names(self) -> list[str]:
@@ -115,6 +156,22 @@ class LayerSeq:
         pins.update({parent: stage_of_layer[layer] for parent, layer in self.parent_layer.items()})
         pins.pop("", None)
         return pins
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """A ``tp``-way split of the layers, as the swap-in's rule makes it (`LayerSeq.tensor_split`)."""
+
+    #: Per node: its own FLOPs and memory traffic on one rank, × tp (1 where split, tp where
+    #: kept whole): a replica of tp devices runs a split node tp times faster, a whole one not.
+    node_scale: np.ndarray
+    #: Per layer: the share of its parameter elements each rank holds (1 / tp when all split).
+    param_ratio: np.ndarray
+    #: Per layer: activation bytes one rank keeps for the backward, per traced batch.
+    activation_bytes: np.ndarray
+    #: Per layer: all-reduce-equivalent bytes of its collectives, forward and backward, per traced batch.
+    forward_bytes: np.ndarray
+    backward_bytes: np.ndarray
 
 
 def layer_sequence(tree: ModuleTree, max_share: float = DEFAULT_MAX_SHARE) -> LayerSeq:
@@ -157,6 +214,7 @@ def layer_sequence(tree: ModuleTree, max_share: float = DEFAULT_MAX_SHARE) -> La
         node_recomputed=np.array([id(n) in in_checkpointed for n in nodes], dtype=bool),
         node_recompute=np.array([_forward_compute(tree, n) if id(n) in in_checkpointed else 0.0
                                  for n in nodes], dtype=float),
+        nodes=nodes,
     )
 
 

@@ -74,12 +74,26 @@ class Plan:
 
         Its ``meta`` carries each stage's devices: ``device_names`` and ``device_memory``, the
         usable bytes of one replica of the stage — its tensor-parallel group, which holds the
-        whole stage split ``tp`` ways — so the explorer can draw every stage against its capacity.
+        whole stage split ``tp`` ways — so the explorer can draw every stage against its capacity;
+        and, under tensor parallelism, ``tensor_parallel``: the degree and how each split node is
+        split (``{"degree": 2, "split": {"h.0.attn.c_attn": "column", ...}}``).
         """
         meta = {"made_by": "smpart.plan", "plan": self.summary(),
                 "device_memory": self.stage_capacity(), "device_names": self.stage_labels()}
+        if self.tp > 1 and self.layers.tree.tp_degrees:
+            meta["tensor_parallel"] = {"degree": self.tp, "split": {
+                node.name: node.tp_split[self.tp].style for node in self.layers.tree.nodes()
+                if self.tp in node.tp_split and node.tp_split[self.tp].split}}
         return self.layers.partition(self.stage_of_layer, self.pp, self.memory_weight, meta=meta,
                                      checkpointed=self.activation_checkpointing)
+
+    def parameters_per_rank(self) -> list[float]:
+        """Per stage: the parameter elements each of its ranks holds (its tensor-parallel shard)."""
+        split = self.layers.tensor_split(self.tp)
+        ratio = 1 / self.tp if split is None else split.param_ratio
+        per_layer = self.layers.param_count * ratio
+        bounds = [*self.starts, len(self.layers)]
+        return [float(per_layer[bounds[j]:bounds[j + 1]].sum()) for j in range(self.pp)]
 
     def stage_capacity(self) -> list[float]:
         """Per stage: the usable bytes of one tensor-parallel group (its fullest device's budget × tp)."""

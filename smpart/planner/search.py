@@ -11,6 +11,12 @@ The layers get finer as stages multiply: with ``pp`` stages a layer may hold at 
 half-speed stages can be cut inside a block instead of leaving the slow stages idle. Tensor-parallel
 strategies keep whole blocks: the cost model counts Megatron's all-reduces per block.
 
+**Tensor parallelism as the runtime splits it.** A tree from `smpart.trace` records what the
+swap-in's rule splits at each degree (`ModuleNode.tp_split`): the cost model divides only that by
+``tp`` (time, parameter state, activations), prices the collectives those modules run, and a
+degree that splits nothing (or that the tree has no record of) is not proposed at all. A tree
+without records (built by hand) is priced as if every layer split evenly.
+
 Strategies are priced in order of a cheap lower bound — every layer at its fastest stage, the
 bottleneck at least the average — and a strategy whose bound cannot enter the top ``top`` (nor
 beat the best plan of its own pp=1 / tp=1 / dp=1 baseline) is skipped without solving.
@@ -76,7 +82,7 @@ def plan(
     for strategy in enumerate_strategies(cluster, len(tree), global_batch, tp_degrees=tp_degrees,
                                          max_microbatches=max_microbatches):
         model = models.get(strategy.pp, strategy.tp)
-        if strategy.pp > len(model.layers):
+        if strategy.pp > len(model.layers) or not model.layers.splits(strategy.tp):
             continue
         costs = model.strategy(list(strategy.stages), strategy.tp, strategy.microbatch_size,
                                strategy.microbatches)

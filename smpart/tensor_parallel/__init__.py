@@ -1,6 +1,6 @@
 """Tensor parallelism: split a model's layers Megatron-style over a tensor-parallel group.
 
-Three steps, each its own file:
+The steps, each its own file:
 
 - `plan_tensor_parallel(model, degree, tree=None)` (`plan`) decides, per Linear / Conv1D /
   Embedding, "column", "row", "vocab", "dim" or "none", pairing each column split with its
@@ -9,6 +9,8 @@ Three steps, each its own file:
 - `apply_tensor_parallel(model, plan, group)` (`swap`) replaces those modules in place by
   `DistributedLinear` / `DistributedEmbedding` (`layers`) holding this rank's shards, and
   localises the attention heads.
+- `record_split_shares(tree, model)` (`pricing`) writes what each degree's split divides onto a
+  traced tree, so the planner prices what the swap-in will do.
 - `full_state_dict(model)` / `dcp_state_dict(model)` (`layers`) give whole tensors, or tensors
   ``torch.distributed.checkpoint`` can store and reshard.
 
@@ -36,16 +38,14 @@ from smpart.tensor_parallel.plan import (
     AttentionAdapter,
     AttentionLayout,
     Decision,
-    SplitShare,
     TensorParallelPlan,
     TensorParallelWarning,
     plan_tensor_parallel,
     register_attention_adapter,
     set_tensor_parallelism,
-    split_totals,
-    splittable_fraction,
     tensor_parallelism,
 )
+from smpart.tensor_parallel.pricing import SplitShare, record_split_shares, split_totals, splittable_fraction
 from smpart.tensor_parallel.swap import SwapReport, apply_tensor_parallel
 
 __all__ = [
@@ -72,6 +72,7 @@ __all__ = [
     "load_dcp_state_dict",
     "local_state_dict",
     "plan_tensor_parallel",
+    "record_split_shares",
     "reduce_from_tp",
     "register_attention_adapter",
     "scatter_to_tp",

@@ -1075,57 +1075,9 @@ def _nothing_split(plan: TensorParallelPlan, model: nn.Module) -> str:
             "or mark the modules to split with set_tensor_parallelism")
 
 
-# ==================================================================== pricing for the planner
-@dataclass(frozen=True)
-class SplitShare:
-    """Of a node's own parameters and FLOPs, the share a tensor-parallel split divides by the degree."""
-
-    params: float
-    flops: float
-
-
-def splittable_fraction(plan: TensorParallelPlan, tree: ModuleTree | None = None) -> dict[str, SplitShare]:
-    """Per node of ``tree`` (or per planned module without one): how much of it tp splits.
-
-    A split Linear/Conv1D divides its weights and its matmul FLOPs; a split embedding its
-    weights; an attention whose heads are split divides its own FLOPs (scores, softmax, the
-    weighted sum). Norms, residual adds and replicated biases stay whole. A planner prices a
-    node under tp as ``own * (1 - share) + own * share / degree``, plus the collectives.
-    """
-    per_module: dict[str, SplitShare] = {}
-    for name, d in plan.decisions.items():
-        params = d.split_params / d.params if d.params else 0.0
-        flops = 1.0 if d.split and d.style in (COLUMN, ROW) else 0.0
-        for alias in d.names or (name,):
-            per_module[alias] = SplitShare(params, flops)
-    for name in plan.attention:
-        per_module.setdefault(name, SplitShare(0.0, 1.0))
-        per_module[name] = SplitShare(per_module[name].params, 1.0)
-    if tree is None:
-        return per_module
-    out: dict[str, SplitShare] = {}
-    for node in tree.nodes():
-        shares = [per_module[n] for n in node.names if n in per_module]
-        if not shares:
-            continue
-        out[node.name] = SplitShare(sum(s.params for s in shares) / len(shares),
-                                    sum(s.flops for s in shares) / len(shares))
-    return out
-
-
-def split_totals(plan: TensorParallelPlan, tree: ModuleTree) -> SplitShare:
-    """The whole model's split share of parameters and of FLOPs, weighted by the tree's costs."""
-    shares = splittable_fraction(plan, tree)
-    params = sum(n.param_count for n in tree.nodes())
-    flops = sum(n.flops for n in tree.nodes())
-    split_p = sum(n.param_count * shares[n.name].params for n in tree.nodes() if n.name in shares)
-    split_f = sum(n.flops * shares[n.name].flops for n in tree.nodes() if n.name in shares)
-    return SplitShare(split_p / params if params else 0.0, split_f / flops if flops else 0.0)
-
-
 __all__ = [
-    "AttentionAdapter", "AttentionLayout", "AttentionSplit", "Decision", "SplitShare", "TensorParallelPlan",
+    "AttentionAdapter", "AttentionLayout", "AttentionSplit", "Decision", "TensorParallelPlan",
     "TensorParallelWarning", "attention_adapter", "elementwise_between", "looks_like_attention",
     "plan_tensor_parallel", "published_plan", "register_attention_adapter", "set_tensor_parallelism",
-    "split_totals", "splittable_fraction", "tensor_parallelism", "tensor_parallelism_of",
+    "tensor_parallelism", "tensor_parallelism_of",
 ]

@@ -19,10 +19,17 @@ become its ``checkpoint_bytes``; its descendants keep nothing), and every node o
 runs its forward once more in the backward (``recomputed``: `ModuleTree.compute_of` adds one). A
 model traced with checkpointing already installed gets the same marks from the tracer, and its
 saved bytes are those checkpoint really keeps.
+
+**Tensor parallelism** divides only what it can split. ``ModuleNode.tp_split`` records, per
+degree, the `SplitShare` of the node's own parameters and FLOPs that the swap-in's rule divides by
+the degree, and the bytes its collectives move (`smpart.tensor_parallel.record_split_shares` fills
+it from the model, by the same rule the runtime applies); the planner prices tensor parallelism
+from it. A tree without it (built by hand, an older JSON) is priced as if everything split.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,6 +42,30 @@ DEFAULT_PARAM_MEMORY_FACTOR = 4.0
 #: Share of a node's training compute that is its forward (backward = 2 × forward): what one more
 #: forward adds when the node is recomputed, unless the tracer measured the model's own share.
 DEFAULT_FORWARD_SHARE = 1 / 3
+
+
+@dataclass(frozen=True)
+class SplitShare:
+    """What a tensor-parallel split of one degree does to a node's own costs.
+
+    ``params`` and ``flops``: the shares of the node's own parameters and FLOPs divided by the
+    degree (the rest is replicated on every rank of the group: norms, a row-parallel bias, an
+    attention kept whole). ``forward_bytes`` / ``backward_bytes``: bytes its collectives reduce or
+    gather per traced batch, summed over calls (a row-parallel output, a column-parallel input's
+    gradient). ``style``: how its modules are split (``"column"``, ``"row"``, ``"vocab"``,
+    ``"dim"``, ``"heads"`` for an attention computing on local heads; ``+``-joined for a node of
+    several modules), empty when kept whole.
+    """
+
+    params: float = 0.0
+    flops: float = 0.0
+    forward_bytes: float = 0.0
+    backward_bytes: float = 0.0
+    style: str = ""
+
+    @property
+    def split(self) -> bool:
+        return bool(self.style)
 
 
 @dataclass
@@ -78,10 +109,15 @@ class ModuleNode:
     checkpointed: bool = False
     #: The node's forward runs again in the backward (it is, or is inside, a checkpointed module).
     recomputed: bool = False
+    #: Tensor-parallel degree -> what a split of that degree divides (see `SplitShare`); a degree
+    #: recorded on the tree but absent here splits nothing of this node.
+    tp_split: dict[int, SplitShare] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.names:
             self.names = [self.name]
+        self.tp_split = {int(d): s if isinstance(s, SplitShare) else SplitShare(**s)
+                         for d, s in self.tp_split.items()}
 
     @property
     def called(self) -> bool:
@@ -118,6 +154,8 @@ class ModuleNode:
             "checkpointed": self.checkpointed,
             "recomputed": self.recomputed,
         }
+        if self.tp_split:
+            out["tp_split"] = {str(d): dataclasses.asdict(s) for d, s in self.tp_split.items()}
         out["children"] = [child.to_dict() for child in self.children]
         return out
 
@@ -167,8 +205,11 @@ class ModuleTree:
     #: Share of training compute that is forward (`DEFAULT_FORWARD_SHARE`, or measured by the
     #: tracer): the price of recomputing a node, as a fraction of its compute.
     forward_share: float = DEFAULT_FORWARD_SHARE
+    #: Tensor-parallel degrees whose splits the nodes' ``tp_split`` records (empty: unknown).
+    tp_degrees: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        self.tp_degrees = tuple(sorted(int(d) for d in self.tp_degrees))
         self._index: dict[str, ModuleNode] = {}
         self.reindex()
         if self.activation_memory is None:
@@ -283,6 +324,7 @@ class ModuleTree:
             "input_bytes": self.input_bytes,
             "activation_memory": self.activation_memory,
             "forward_share": self.forward_share,
+            "tp_degrees": list(self.tp_degrees),
         }
 
     @classmethod
@@ -295,6 +337,7 @@ class ModuleTree:
             input_bytes=data.get("input_bytes", 0),
             activation_memory=data.get("activation_memory"),
             forward_share=data.get("forward_share", DEFAULT_FORWARD_SHARE),
+            tp_degrees=tuple(data.get("tp_degrees", ())),
         )
 
     def to_json(self) -> str:

@@ -3,7 +3,8 @@
 For each layout (pipeline, tensor, data parallel degrees) and model (the zoo GPT, a Hugging Face
 Llama with grouped KV heads, Hugging Face GPT-2 with its fused q/k/v ``Conv1D``), optimizer steps
 in float64: each data-parallel replica steps on its slice of the global batch, and the full state
-dict afterwards equals the unsplit model's trained on the whole batch with the mean loss.
+dict afterwards equals the unsplit model's trained on the whole batch with the mean loss, and
+the global gradient norm each step clips by equals the unsplit model's.
 
 SGD, not Adam: Llama's RMS norm computes in float32 even in a float64 model, so a gradient summed
 in another order (across a stage boundary, over shards) differs in its last float32 bit, and
@@ -26,6 +27,7 @@ from tests.test_runtime import reference_step, train_step
 from tests.test_tensor_parallel import hf_causal_lm
 
 TOL = 1e-6
+CLIP = 0.5
 MICROBATCHES = 2
 PER_REPLICA = 4
 
@@ -73,6 +75,10 @@ def _train(pp: int, tp: int, name: str, steps: int = 3) -> tuple[float, float, i
         expected = reference_step(reference, example, args, kwargs, target, MICROBATCHES * dp)
         ours = expected[smpart.dp_rank() * MICROBATCHES:(smpart.dp_rank() + 1) * MICROBATCHES]
         loss_diff = max(loss_diff, (out.stack() - ours).abs().max().item())
+        # global clipping: the norm over every stage, shard and replica (the same on every rank)
+        norm = opt.clip_grad_norm_(CLIP).item()
+        expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP).item()
+        loss_diff = max(loss_diff, abs(norm - expected_norm) / expected_norm)
         for optimizer in (opt, ref_opt):
             optimizer.step()
             optimizer.zero_grad()
@@ -92,7 +98,7 @@ MODELS = ("zoo_gpt2", "llama_gqa", "hf_gpt2")
 
 def _check(results):
     for report in values(results):
-        for case, loss_diff, state_diff, split in report:
+        for case, loss_diff, state_diff, split in report:  # loss_diff: losses and clipping norms
             assert loss_diff <= TOL and state_diff <= TOL, (case, loss_diff, state_diff)
             assert split > 0 or case[1] == 1, f"{case}: the tensor-parallel plan split nothing"
 

@@ -426,3 +426,86 @@ def test_tensor_parallel_ranks_of_a_stage_work_in_one_order_whatever_the_arrival
     for grad_diff, loss_diff, split in values(run_ranks(_uneven_timing, 4, timeout_s=110)):
         assert any(name.startswith("a.") for name in split), split
         assert grad_diff <= TOL and loss_diff <= TOL, (grad_diff, loss_diff)
+
+
+class _Routed(torch.nn.Module):
+    """A layer only micro-batches of positive inputs use (``bonus``, registered last, so its
+    gradient is in the first bucket): how often its gradient arrives changes with the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 6)
+        self.out = torch.nn.Linear(6, 1)
+        self.bonus = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        if x.sum() > 0:
+            h = h + torch.tanh(self.bonus(h))
+        return self.out(h)
+
+
+#: Per step, the sign of each micro-batch's inputs on replica 0; replica 1's are always negative.
+SIGNS = [(1, -1), (1, -1), (1, -1), (1, 1), (-1, -1)]
+
+
+@smpart.step
+def _mse_step(model, x, y):
+    loss = F.mse_loss(model(x), y)
+    model.backward(loss)
+    return loss
+
+
+def _early_buckets(rank):
+    """Buckets start during the backward once the last step's counts say a gradient is final; a
+    gradient arriving after its bucket started (a count grown with the data), a bucket one replica
+    started and the other has no gradient for, and a layer no replica used all still average
+    exactly as one process on the global batch."""
+    from smpart.runtime import data_parallel
+    from smpart.runtime.runtime import current_runtime
+
+    data_parallel.BUCKET_BYTES = 100  # about a bucket per parameter
+    torch.manual_seed(0)
+    module = _Routed().double()
+    reference = copy.deepcopy(module)
+    smpart.init(pipeline_parallel_degree=1, microbatches=2, timeout_s=60)
+    model = smpart.DistributedModel(module)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    worst, stats = 0.0, []
+    for step, signs in enumerate(SIGNS):
+        g = torch.Generator().manual_seed(step)
+        xs = [torch.cat([torch.randn(2, 6, generator=g, dtype=torch.float64).abs() * sign
+                         for sign in (signs if d == 0 else (-1, -1))]) for d in range(2)]
+        ys = [torch.randn(4, 1, generator=g, dtype=torch.float64) for _ in range(2)]
+        _mse_step(model, xs[smpart.dp_rank()], ys[smpart.dp_rank()])
+        reducer = current_runtime()._reducer
+        stats.append((reducer.started_early, reducer.corrected))
+        # the unsplit model on the global batch: the mean of all four micro-batches' losses
+        pairs = [pair for d in range(2) for pair in zip(xs[d].chunk(2), ys[d].chunk(2), strict=True)]
+        losses = [F.mse_loss(reference(x), y) for x, y in pairs]
+        (sum(losses) / 4).backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), step
+            if p.grad is not None:
+                worst = max(worst, (p.grad - q.grad).abs().max().item())
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    smpart.shutdown()
+    return rank, worst, stats
+
+
+@pytest.mark.timeout(120)
+def test_gradient_buckets_start_during_the_backward_and_stay_exact_when_routing_changes():
+    results = values(run_ranks(_early_buckets, 2, timeout_s=110))
+    for _, worst, _ in results:
+        assert worst <= 1e-12, worst
+    (_, _, first), (_, _, second) = results
+    # the first step has no counts to go by; from the second on, replica 0 starts its `bonus`
+    # bucket once micro-batch 0's gradient is in
+    assert [started for started, _ in first][:2] == [0, 0] and first[2][0] > 0, first
+    # step 3: both of replica 0's micro-batches use `bonus`; the second's gradient (weight and bias)
+    # arrives after the bucket started and is averaged by the correction, on both replicas
+    assert first[3][1] == 2 and second[3][1] == 2, (first, second)

@@ -87,6 +87,9 @@ class Setup:
     #: torch's ``DeviceMesh`` of the whole job, dimensions ``("pp", "dp", "tp")``; the three groups
     #: above are its dimensions' groups (None where a dimension has one rank).
     mesh: Any = None
+    #: A second (gloo) group of ``dp_group``'s ranks, for small agreements on CPU that must not
+    #: interleave with the gradient all-reduces in flight on ``dp_group``.
+    dp_control_group: Any = None
 
 
 def layout_for(config: Config, world_size: int) -> Layout:
@@ -136,7 +139,23 @@ def setup(config: Config) -> Setup:
     groups = {name: mesh.get_group(name) if size > 1 else None
               for name, size in (("pp", layout.pp), ("dp", layout.dp), ("tp", layout.tp))}
     return Setup(rank, world, local_rank, layout, device, dist.get_backend(), transport_group, created,
-                 collective_group, groups["dp"], groups["pp"], groups["tp"], mesh)
+                 collective_group, groups["dp"], groups["pp"], groups["tp"], mesh,
+                 _dp_control_group(layout, rank))
+
+
+def _dp_control_group(layout: Layout, rank: int) -> Any:
+    """This rank's data-parallel ranks as a gloo group (None without data parallelism). Collective:
+    every rank creates every such group, in one order."""
+    mine = None
+    if layout.dp == 1:
+        return mine
+    for pp in range(layout.pp):
+        for tp in range(layout.tp):
+            ranks = [layout.rank_of(pp, dp, tp) for dp in range(layout.dp)]
+            group = dist.new_group(ranks, backend="gloo")
+            if rank in ranks:
+                mine = group
+    return mine
 
 
 def device_mesh(layout: Layout, device_type: str) -> DeviceMesh:

@@ -1,69 +1,213 @@
 """Data parallelism: every stage averages its gradients over its data-parallel group.
 
-Each data-parallel replica runs its own pipeline on its own batch. A stage's gradients are final
-once every micro-batch of the step has been released on it (all backward credit came home); the
-stage server then starts `GradientSync` on its dispatcher thread, so the averaging of the last
-stages overlaps the backward still running on the first ones, and the end of the step waits for
-it (`GradientSync.finish`) before the optimizer may step.
+Each data-parallel replica runs its own pipeline on its own batch, and each stage averages its
+gradients over the replicas of that stage (its dp group) before the optimizer steps. Why smpart
+does this itself and not DDP's hooks: the runtime calls autograd stage by stage, call by call,
+not through one ``loss.backward()`` on a wrapped module, so nothing would fire them.
 
-Why smpart does this itself and not DDP's hooks: the runtime calls autograd stage by stage, not
-through one ``loss.backward()`` on a wrapped module, so nothing would fire them.
+**Buckets, started as the gradients become final.** The stage's parameters are cut into
+buckets (reverse registration order, the order a backward usually finishes them; at most
+``bucket_bytes`` of one dtype each), one asynchronous all-reduce per bucket. A parameter is final
+once it has received as many gradient accumulations in this step as it did in the last one (a
+layer called once per micro-batch: one per micro-batch), which a hook after each accumulation
+counts; a bucket whose parameters are all final starts its all-reduce at once, while the backward
+goes on with the other layers and other micro-batches. Buckets start in index order on every
+rank, so the collectives pair up. The first step has no count to go by and starts every bucket
+when the stage's gradients are final as a whole (all its micro-batches released).
 
-The gradients travel in buckets: consecutive gradients of one dtype flattened into one tensor of
-at most ``bucket_bytes``, one asynchronous all-reduce each, all in flight at once. Which
-parameters take part is agreed first (a parameter a replica's data never reached has no gradient
-there, say an expert no token was routed to): a max-reduce of "has a gradient" flags, after which
-a missing gradient counts as zeros, exactly as in one process on the concatenated batch.
+**Always exact, whatever the routing.** Counts from the last step are a guess: data-dependent
+routing (an expert no token reached) or control flow can change them. So when the stage's
+gradients are final as a whole (`flush`), the replicas agree, over a second (gloo) group so as
+not to interleave with the buckets in flight, on (1) the buckets any of them started early: the
+others start them now, a gradient they lack counting as zeros; (2) which parameters of the
+remaining buckets have a gradient anywhere: those take part, zeros where missing, the rest keep
+no gradient, exactly as one process on the concatenated batch; (3) parameters that received a
+gradient after their bucket started (a guess too early): what arrived late, caught by a hook
+before accumulation, is averaged in one more all-reduce and added. `finish`, before the
+optimizer step, waits for every all-reduce and writes the averages into ``.grad``.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 
-BUCKET_BYTES = 25 * 2**20
+#: Bytes per bucket: small enough that several start during a backward, large enough that each
+#: all-reduce is not dominated by its latency.
+BUCKET_BYTES = 4 * 2**20
 
 
-class GradientSync:
-    """The averaging of one step's gradients over ``group`` (``size`` replicas), once started."""
+class _Bucket:
+    """Parameters all-reduced together; ``flat`` holds their gradients once started."""
 
-    def __init__(self, params: list[nn.Parameter], group: Any, size: int,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
-        self.group = group
-        self.size = size
-        self.buckets: list[tuple[list[nn.Parameter], torch.Tensor, Any]] = []
-        self._start(params, bucket_bytes)
+    def __init__(self, index: int, params: list[nn.Parameter]) -> None:
+        self.index = index
+        self.params = params
+        self.taking: list[nn.Parameter] = []
+        self.flat: torch.Tensor | None = None
+        self.work: Any = None
 
-    def _start(self, params: list[nn.Parameter], bucket_bytes: int) -> None:
-        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        taking = [p for p, flag in zip(params, flags.tolist(), strict=True) if flag]
+    @property
+    def started(self) -> bool:
+        return self.flat is not None
+
+
+class GradientReducer:
+    """Averages one stage's gradients over its dp group, step after step (see the module docstring)."""
+
+    def __init__(self, params: list[nn.Parameter], group: Any, control_group: Any, size: int,
+                 bucket_bytes: int | None = None) -> None:
+        self.group, self.control_group, self.size = group, control_group, size
+        self.params = params
+        by_size = _buckets(list(reversed(params)), bucket_bytes or BUCKET_BYTES)
+        self.buckets = [_Bucket(i, b) for i, b in enumerate(by_size)]
+        #: Of the last step: buckets started during the backward (before `flush`), and parameters
+        #: whose gradient arrived after their bucket started (averaged by the correction).
+        self.started_early = 0
+        self.corrected = 0
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._expected: dict[int, int] = {}
+        self._count: dict[int, int] = {}
+        self._late: dict[int, torch.Tensor] = {}
+        self._next = 0  # index of the next bucket to start (they start in order)
+        self._correction: tuple[list[nn.Parameter], torch.Tensor, Any] | None = None
+        self._lock = threading.Lock()
+        self._armed = False
+        self._handles = [h for p in params for h in (p.register_hook(self._make_pre_hook(p)),
+                                                     p.register_post_accumulate_grad_hook(self._accumulated))]
+
+    # ---------------------------------------------------------------- per step
+    def begin_step(self) -> None:
+        """Arm the hooks for a new step (counts restart; buckets are free)."""
+        with self._lock:
+            self._count = {}
+            self._late = {}
+            self._next = 0
+            for bucket in self.buckets:
+                bucket.taking, bucket.flat, bucket.work = [], None, None
+            self._correction = None
+            self.started_early = self.corrected = 0
+            self._armed = True
+
+    def flush(self) -> None:
+        """The stage's gradients are final: start everything not started yet (collective)."""
+        with self._lock:
+            self._armed = False
+            self.started_early = self._next
+            if self._count:  # a step with a backward teaches the next one its counts
+                self._expected = dict(self._count)
+            started = [int(b.started) for b in self.buckets]
+            has_grad = [int(p.grad is not None) for p in self.params]
+            late = [int(id(p) in self._late) for p in self.params]
+            flags = torch.tensor(started + has_grad + late, dtype=torch.uint8)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group)
+            flags = flags.tolist()
+            nb, np_ = len(self.buckets), len(self.params)
+            started_anywhere = flags[:nb]
+            with_grad = {id(p) for p, f in zip(self.params, flags[nb:nb + np_], strict=True) if f}
+            late_anywhere = [p for p, f in zip(self.params, flags[nb + np_:], strict=True) if f]
+            for bucket in self.buckets[self._next:]:
+                if started_anywhere[bucket.index]:
+                    self._start(bucket, bucket.params)
+                else:
+                    self._start(bucket, [p for p in bucket.params if id(p) in with_grad])
+            self.corrected = len(late_anywhere)
+            if late_anywhere:
+                extra = [self._late.get(id(p), torch.zeros_like(_local(p))) for p in late_anywhere]
+                flat = _flat_copy(extra)
+                work = dist.all_reduce(flat, group=self.group, async_op=True)
+                self._correction = (late_anywhere, flat, work)
+
+    def finish(self) -> None:
+        """Wait for every all-reduce and write the averages into the gradients."""
+        with self._lock:
+            for bucket in self.buckets:
+                if bucket.work is None:
+                    continue
+                bucket.work.wait()
+                bucket.flat /= self.size
+                averages = _unflatten_dense_tensors(bucket.flat, [_local(p.grad) for p in bucket.taking])
+                for p, averaged in zip(bucket.taking, averages, strict=True):
+                    _local(p.grad).copy_(averaged)
+                bucket.flat, bucket.work = None, None
+            if self._correction is not None:
+                params, flat, work = self._correction
+                work.wait()
+                flat /= self.size
+                for p, extra in zip(params, _unflatten_dense_tensors(flat, [_local(p) for p in params]),
+                                    strict=True):
+                    _local(p.grad).add_(extra)
+                self._correction = None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    # ---------------------------------------------------------------- hooks (autograd threads)
+    def _make_pre_hook(self, param: nn.Parameter):
+        def before_accumulation(grad: torch.Tensor) -> None:
+            # a gradient reaching a parameter whose bucket already started: keep it for the correction
+            with self._lock:
+                if self._armed and self._bucket_of[id(param)].started:
+                    local = _local(grad).detach()
+                    held = self._late.get(id(param))
+                    self._late[id(param)] = local.clone() if held is None else held + local
+        return before_accumulation
+
+    def _accumulated(self, param: nn.Parameter) -> None:
+        with self._lock:
+            if not self._armed:
+                return
+            key = id(param)
+            self._count[key] = self._count.get(key, 0) + 1
+            while self._next < len(self.buckets) and self._final(self.buckets[self._next]):
+                bucket = self.buckets[self._next]
+                self._start(bucket, bucket.params)
+
+    def _final(self, bucket: _Bucket) -> bool:
+        return all(self._expected.get(id(p), 0) > 0 and self._count.get(id(p), 0) >= self._expected[id(p)]
+                   for p in bucket.params)
+
+    def _start(self, bucket: _Bucket, taking: list[nn.Parameter]) -> None:
+        """All-reduce ``taking`` (a gradient missing here counts as zeros); call with the lock held."""
+        self._next = bucket.index + 1
+        bucket.taking = taking
         for p in taking:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        for bucket in _buckets(taking, bucket_bytes):
-            flat = _flatten_dense_tensors([_local(p.grad) for p in bucket])
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
-            self.buckets.append((bucket, flat, work))
-
-    def finish(self) -> None:
-        """Wait for every bucket and write the averages back into the gradients."""
-        for bucket, flat, work in self.buckets:
-            work.wait()
-            flat /= self.size
-            averages = _unflatten_dense_tensors(flat, [_local(p.grad) for p in bucket])
-            for p, averaged in zip(bucket, averages, strict=True):
-                _local(p.grad).copy_(averaged)
-        self.buckets.clear()
+        bucket.flat = _flat_copy([_local(p.grad) for p in taking])
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True) if taking else None
 
 
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """A tensor-parallel gradient's own shard (a DTensor's local tensor), else the gradient."""
-    return grad.to_local() if hasattr(grad, "to_local") else grad
+def stage_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """The trainable parameters this rank holds, each once, in registration order."""
+    seen: set[int] = set()
+    out = []
+    for module in modules:
+        for param in module.parameters():
+            if param.requires_grad and param.device.type != "meta" and id(param) not in seen:
+                seen.add(id(param))
+                out.append(param)
+    return out
+
+
+def _flat_copy(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors side by side in a new buffer. Never a view (``_flatten_dense_tensors`` of one
+    tensor is one): a gradient may still grow after its bucket started."""
+    if not tensors:
+        return torch.zeros(0)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel tensor's own shard (a DTensor's local tensor), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
@@ -71,8 +215,8 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Para
     current: list[nn.Parameter] = []
     size = 0
     for p in params:
-        nbytes = _local(p.grad).numel() * p.grad.element_size()
-        if current and (size + nbytes > bucket_bytes or p.grad.dtype != current[0].grad.dtype):
+        nbytes = _local(p).numel() * p.element_size()
+        if current and (size + nbytes > bucket_bytes or p.dtype != current[0].dtype):
             buckets.append(current)
             current, size = [], 0
         current.append(p)

@@ -36,7 +36,7 @@ from smpart.config import Config
 from smpart.distributed.launch import Setup, setup
 from smpart.distributed.transport import ProcessTransport
 from smpart.errors import PipelineError, SmpartError
-from smpart.runtime.data_parallel import GradientSync
+from smpart.runtime.data_parallel import GradientReducer, stage_parameters
 from smpart.runtime.messages import MAIN, STAGE, Address, Placed, PlaceModel, StepResult
 from smpart.runtime.placement import place_on_rank, unplace
 from smpart.runtime.stage import POLL_S, StageServer
@@ -156,7 +156,7 @@ class ProcessRuntime:
         self.servers = [self.server]
         #: The group `DistributedModel.state_dict` gathers over.
         self.state_group = self.setup.collective_group
-        self._gradient_sync: GradientSync | None = None
+        self._reducer: GradientReducer | None = None
         if layout.dp > 1:
             self.server.on_gradients_final = self._start_gradient_sync
         self.steps = itertools.count()
@@ -189,6 +189,7 @@ class ProcessRuntime:
         results = timeline = None
         try:
             self._check_replicas_agree(pieces)
+            self._begin_gradient_sync()
             results, timeline = StepRun(self, step, fn, pieces).execute()
             self._finish_gradient_sync()
         except BaseException as err:
@@ -206,6 +207,7 @@ class ProcessRuntime:
 
     def _follow(self, step: int) -> tuple[list[Any], Any]:
         """Serve (in the stage server's threads) until the driver's rank says the step is over."""
+        self._begin_gradient_sync()
         self.server.arm(step)
         timeout_s = self.config.timeout_s
         started = time.monotonic()
@@ -228,20 +230,23 @@ class ProcessRuntime:
                             "to end (a hang on another rank?)", rank=self.rank)
 
     # ================================================================ data parallelism
+    def _begin_gradient_sync(self) -> None:
+        if self._reducer is not None:
+            self._reducer.begin_step()
+
     def _start_gradient_sync(self, step: int) -> None:
-        seen: set[int] = set()
-        params = []
-        for model in self.models.values():
-            for param in model.module.parameters():
-                if param.requires_grad and param.device.type != "meta" and id(param) not in seen:
-                    seen.add(id(param))
-                    params.append(param)
-        self._gradient_sync = GradientSync(params, self.setup.dp_group, self.layout.dp)
+        """The stage's gradients are final (every micro-batch released here): start what is left."""
+        params = stage_parameters(model.module for model in self.models.values())
+        if self._reducer is None or [id(p) for p in self._reducer.params] != [id(p) for p in params]:
+            if self._reducer is not None:
+                self._reducer.remove()
+            self._reducer = GradientReducer(params, self.setup.dp_group, self.setup.dp_control_group,
+                                            self.layout.dp)
+        self._reducer.flush()
 
     def _finish_gradient_sync(self) -> None:
-        sync, self._gradient_sync = self._gradient_sync, None
-        if sync is not None:
-            sync.finish()
+        if self._reducer is not None:
+            self._reducer.finish()
 
     def _check_replicas_agree(self, pieces: list[tuple[tuple, dict]]) -> None:
         """Data-parallel replicas must feed batches of one size: their gradients are averaged."""
@@ -346,6 +351,8 @@ class ProcessRuntime:
 
     # ================================================================ the end
     def shutdown(self, timeout_s: float = 10.0) -> list[str]:
+        if self._reducer is not None:
+            self._reducer.remove()
         for model in list(self.models.values()):
             unplace(model.module, self.servers)
             model._runtime = None

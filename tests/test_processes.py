@@ -353,9 +353,22 @@ def _tensor_parallel(rank, name, pp=1, schedule="1f1b"):
         ref_opt.step()
         ref_opt.zero_grad()
     split = sorted(model.tensor_parallel_plan.styles())
+    _assert_partition_says_what_was_split(model)
     full = model.state_dict()
     worst = max((full[k] - v).abs().max().item() for k, v in reference.named_parameters())
     return worst, max(abs(a - b) for a, b in norms), len(split)
+
+
+def _assert_partition_says_what_was_split(model):
+    """The partition the model ran with names, per tree node, what its tensor-parallel plan split."""
+    plan, ran = model.tensor_parallel_plan, smpart.partition_of(model)
+    expected: dict[str, set[str]] = {}
+    for name, style in [*plan.styles().items(), *((name, "heads") for name in plan.attention)]:
+        expected.setdefault(ran.tree.node(name).name, set()).add(style)
+    meta = ran.meta["tensor_parallel"]
+    assert meta["degree"] == plan.degree == 2
+    assert {name: set(style.split("+")) for name, style in meta["split"].items()} == expected
+    assert "transformer.h.0.ln_1" not in meta["split"] and "transformer.h.0.mlp.c_fc" in meta["split"]
 
 
 @pytest.mark.timeout(200)

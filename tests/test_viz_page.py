@@ -250,6 +250,28 @@ def test_device_capacity_is_drawn_and_overflow_shown(browser, gpt2_tree: ModuleT
 
 
 @pytest.mark.timeout(120)
+def test_tensor_parallel_splits_are_badged_and_explained(browser, gpt2_tree: ModuleTree, tmp_path) -> None:
+    part = partition(gpt2_tree, 2, memory_weight=0.8)
+    split = {"transformer.h.0.mlp.c_fc": "column", "transformer.h.0.mlp.c_proj": "row",
+             "transformer.h.0.attn": "heads"}
+    part.meta["tensor_parallel"] = {"degree": 2, "split": split}  # as a plan with tp = 2 records it
+    path = tmp_path / "tp.html"
+    part.to_html(str(path), grid=False)
+    with opened(browser, path) as page:
+        search(page, "transformer.h.0.mlp.c_fc")
+        assert row(page, "transformer.h.0.mlp.c_fc").locator(".tp-tag").text_content() == "tp×2 column"
+        assert row(page, "transformer.h.0.attn").locator(".tp-tag").text_content() == "tp×2 heads"
+        assert row(page, "transformer.h.0.ln_1").locator(".tp-tag").count() == 0
+        assert page.locator("#tree .row .tp-tag").count() == 3
+        assert "3 modules split" in page.locator("#legend .tp-legend").text_content()
+        row(page, "transformer.h.0.mlp.c_fc").click()
+        note = page.locator("#details .tp-note").text_content()
+        assert "split 2 ways by columns: each rank holds 1/2 of the weight" in note
+        row(page, "transformer.h.0.ln_1").click()
+        assert "each of the 2 ranks holds all of it" in page.locator("#details .tp-note").text_content()
+
+
+@pytest.mark.timeout(120)
 def test_hostile_module_names_are_shown_as_text(browser, tmp_path: Path) -> None:
     tree = ModuleTree.from_spec({
         "name": "", "class_name": "Net", "children": [

@@ -326,6 +326,7 @@ class ProcessRuntime:
     def _place(self, model: DistributedModel, partition: Any) -> None:
         if self.layout.tp > 1:
             self._split_for_tensor_parallelism(model)
+            partition = _as_split(partition, model.tensor_parallel_plan)
         kept = place_on_rank(model.module, model.model_id, partition, self.server)
         self.resident_bytes[model.model_id] = kept
         model._partition = partition
@@ -359,6 +360,20 @@ class ProcessRuntime:
         stuck = self.server.stop(timeout_s)
         self.transport.shutdown()
         return stuck
+
+
+def _as_split(partition: Any, plan: Any) -> Any:
+    """``partition`` with ``meta["tensor_parallel"]`` saying what ``plan`` split, per tree node, as a
+    plan's partition says it (``{"degree": 2, "split": {node name: style}}``): what ran, for the views."""
+    import copy
+
+    from smpart.tensor_parallel import splittable_fraction
+
+    shares = splittable_fraction(plan, partition.tree)
+    ran = copy.copy(partition)
+    ran.meta = {**partition.meta, "tensor_parallel": {
+        "degree": plan.degree, "split": {name: share.style for name, share in shares.items() if share.split}}}
+    return ran
 
 
 def _shippable(error: BaseException | None, rank: int) -> BaseException | None:

@@ -28,6 +28,10 @@ Duck-typed inputs, so this module depends on no other room's classes:
   num_stages)`` pairs, or of ready `Partition` objects.
 - Device capacity: ``partition.meta["device_memory"]`` (bytes per stage) and optionally
   ``partition.meta["device_names"]``, as a partition made from a plan carries them.
+- Tensor parallelism: ``partition.meta["tensor_parallel"]`` (``{"degree", "split": {node: style}}``,
+  as a plan's or the runtime's partition carries it) becomes ``base["tp"]``: the degree, each
+  split node's style by node index, and a sentence per style saying what it means. Without that
+  meta there is none, even when the tree records what each degree *would* split.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from smpart.errors import ConfigError, PartitionError, SmpartError
 from smpart.tracing.tree import ModuleTree
+from smpart.viz.split import describe, tensor_split
 
 if TYPE_CHECKING:
     from smpart.partition.result import Partition
@@ -124,6 +129,7 @@ def explorer_data(
     base = _encode_partition(partition, order)
     base["label"] = partition.meta.get("label", "your partition")
     base["devices"] = _devices(partition)
+    base["tp"] = _tensor_parallel(partition, order)
     return {
         "v": 1,
         "title": str(title or partition.meta.get("model") or tree.root.class_name),
@@ -200,6 +206,21 @@ def _devices(partition: Partition) -> dict[str, Any] | None:
         return None
     names = partition.meta.get("device_names") or [f"device {i}" for i in range(len(memory))]
     return {"memory": [float(m) for m in memory], "names": [str(n) for n in names]}
+
+
+def _tensor_parallel(partition: Partition, order: list[str]) -> dict[str, Any] | None:
+    """``{"degree", "split": {node index: style}, "explain": {style: sentence}, "summary"}`` or None."""
+    split = tensor_split(partition)
+    if split is None:
+        return None
+    index = {name: i for i, name in enumerate(order)}
+    styles = {str(index[name]): style for name, style in split.styles.items() if name in index}
+    return {
+        "degree": split.degree,
+        "split": styles,
+        "explain": {style: describe(style, split.degree) for style in sorted(set(styles.values()))},
+        "summary": split.summary(),
+    }
 
 
 # ==================================================================== the precomputed grid

@@ -8,6 +8,10 @@ things keep a 1,000-module model readable:
   and a stretch of them on one stage shows its first and last member around a one-line summary,
   so every cut between stages stays visible;
 * ``max_depth`` stops expanding below a depth and says how many modules are folded away.
+
+Under tensor parallelism (a partition whose ``meta`` records it, see `smpart.viz.split`) a split
+node's line ends in a ``tp×2 column`` tag, and the stage table and summary count the split
+modules (a node of tied modules counts once, as it shows as one line).
 """
 
 from __future__ import annotations
@@ -23,10 +27,13 @@ from rich.tree import Tree
 
 from smpart.partition.result import Partition
 from smpart.tracing.tree import ModuleNode, ModuleTree
+from smpart.viz.split import TensorSplit, tensor_split
 
 STAGE_COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
 #: Runs of at least this many same-class siblings on one stage are collapsed.
 COLLAPSE_RUN = 4
+#: The tensor-parallel tag of a split module: a colour no stage uses.
+SPLIT_STYLE = "bold dark_orange"
 
 
 def stage_colour(stage: int | None) -> str:
@@ -43,7 +50,7 @@ def show_partition(part: Partition, console: Console | None = None, max_depth: i
 def show_tree(tree: ModuleTree, console: Console | None = None, max_depth: int | None = None) -> None:
     """Print a costed `ModuleTree` (no stages yet), as ``smpart trace`` does."""
     console = console or Console()
-    console.print(_TreeView(tree, None, max_depth).build())
+    console.print(_TreeView(tree, None, max_depth, None).build())
     console.print(
         f"{len(tree)} nodes · {_count(sum(n.param_count for n in tree.nodes()))} parameters · "
         f"{_amount(tree.total_compute())} {tree.compute_unit} · {_bytes(tree.total_memory())} training memory"
@@ -51,34 +58,47 @@ def show_tree(tree: ModuleTree, console: Console | None = None, max_depth: int |
 
 
 def partition_tree_view(part: Partition, max_depth: int | None = None) -> Tree:
-    return _TreeView(part.tree, part, max_depth).build()
+    return _TreeView(part.tree, part, max_depth, tensor_split(part)).build()
 
 
 def stage_table(part: Partition) -> Table:
-    """One row per stage: modules, compute share, memory, parameters, weighted cost."""
+    """One row per stage: modules, compute share, memory, parameters, weighted cost; under tensor
+    parallelism also how many of its modules are split (``tp×2 split``)."""
     loads = part.stage_loads()
     total_compute = sum(s.compute for s in loads) or 1.0
+    split = tensor_split(part)
     table = Table(title=f"{part.num_stages} stages, memory_weight={part.memory_weight:g}")
-    for column in ("stage", "modules", "compute", "memory", "params", "cost"):
+    columns = ["stage", "modules", "compute", "memory", "params", "cost"]
+    if split is not None:
+        columns.insert(2, f"tp×{split.degree} split")
+    for column in columns:
         table.add_column(column, justify="left" if column == "stage" else "right")
     for stage, load in enumerate(loads):
-        table.add_row(
+        cells = [
             Text(f"stage {stage}", style=stage_colour(stage)),
             str(len(part.modules_on(stage))),
             f"{100 * load.compute / total_compute:.1f}%",
             _bytes(load.memory),
             _count(load.param_count),
             f"{load.cost:.3f}",
-        )
+        ]
+        if split is not None:
+            cells.insert(2, str(sum(1 for name in split.styles if part.node_stage[name] == stage)))
+        table.add_row(*cells)
     return table
 
 
 def stage_summary(part: Partition) -> Text:
-    """One line: how uneven the stages are and how much activation crosses the cuts."""
-    return Text(
+    """One line: how uneven the stages are and how much activation crosses the cuts; under tensor
+    parallelism a second: how many modules are split, by style."""
+    text = Text(
         f"imbalance (max/mean): cost {part.imbalance:.3f} · compute {part.compute_imbalance:.3f} · "
         f"memory {part.memory_imbalance:.3f} · {_bytes(part.cut_bytes())} of activations cross stages"
     )
+    split = tensor_split(part)
+    if split is not None:
+        text.append("\n" + split.summary(), style=SPLIT_STYLE)
+    return text
 
 
 @dataclass
@@ -86,6 +106,7 @@ class _TreeView:
     tree: ModuleTree
     part: Partition | None
     max_depth: int | None
+    split: TensorSplit | None
 
     def __post_init__(self) -> None:
         # Subtree totals, children before parents.
@@ -107,6 +128,12 @@ class _TreeView:
                 for child in node.children:
                     stages.extend(self._span[child.name])
                 self._span[node.name] = (min(stages), max(stages))
+        #: Split nodes strictly below each node: a folded line says how many it hides.
+        self._split_below: dict[str, int] = {}
+        if self.split is not None:
+            for node in reversed(list(self.tree.nodes())):
+                self._split_below[node.name] = sum(
+                    self._split_below[c.name] + (c.name in self.split.styles) for c in node.children)
 
     def build(self) -> Tree:
         root = Tree(self._label(self.tree.root, ""), guide_style="dim")
@@ -123,7 +150,8 @@ class _TreeView:
                 if isinstance(entry, Text):
                     branch.add(entry)
                     continue
-                child_branch = branch.add(self._label(entry, node.name))
+                folded = not expand or (self.max_depth is not None and depth + 1 >= self.max_depth)
+                child_branch = branch.add(self._label(entry, node.name, folded=folded))
                 if expand:
                     pending.append((entry, child_branch, depth + 1))
             stack.extend(reversed(pending))
@@ -173,7 +201,7 @@ class _TreeView:
     def _stage(self, node: ModuleNode) -> int | None:
         return None if self.part is None else self.part.node_stage[node.name]
 
-    def _label(self, node: ModuleNode, parent_name: str) -> Text:
+    def _label(self, node: ModuleNode, parent_name: str, *, folded: bool = False) -> Text:
         stage = self._stage(node)
         colour = stage_colour(stage)
         label = Text(_short_names(node, parent_name), style=f"bold {colour}")
@@ -187,6 +215,12 @@ class _TreeView:
         label.append(f"  {100 * compute:.1f}% compute  {100 * memory:.1f}% memory")
         if node.param_count:
             label.append(f"  {_count(node.param_count)} params", style="dim")
+        style = self.split.styles.get(node.name) if self.split is not None else None
+        if style:
+            label.append(f"  tp×{self.split.degree} {style}", style=SPLIT_STYLE)
+        hidden = self._split_below.get(node.name, 0) if folded and node.children else 0
+        if hidden:
+            label.append(f"  tp×{self.split.degree}: {hidden} split inside", style=f"dim {SPLIT_STYLE}")
         if self._first_call[node.name] == math.inf:
             label.append("  never called", style="italic")
         elif node.call_count > 1:

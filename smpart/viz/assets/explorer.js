@@ -137,6 +137,21 @@
   }
   const displayName = (i) => (T.name[i] === '' ? '(model)' : T.name[i]);
 
+  // ================================================================ tensor parallelism
+  // What the partition's tensor-parallel plan splits (none without one: the degree is unknown).
+  // The split is per module, not per stage, so it holds for every partition of the grid.
+  const TP = DATA.base.tp || null;
+  const tpStyle = (i) => (TP && TP.split[String(i)]) || '';
+  const splitBelow = new Int32Array(N);   // split nodes strictly inside each subtree
+  if (TP) for (let i = N - 1; i > 0; i--) splitBelow[parentOf[i]] += splitBelow[i] + (tpStyle(i) ? 1 : 0);
+  const SPLIT_COUNT = TP ? Object.keys(TP.split).length : 0;
+  function tpTag(i) {
+    const style = tpStyle(i);
+    const tag = el('span', 'tp-tag', 'tp×' + TP.degree + ' ' + style);
+    tag.title = 'tp×' + TP.degree + ' ' + style + ': ' + (TP.explain[style] || '');
+    return tag;
+  }
+
   // ================================================================ partitions
   function decodeRuns(runs) {
     const out = new Int16Array(N);
@@ -347,6 +362,10 @@
     const label = el('span', 'nm', localName(i));
     label.title = displayName(i) + (aliasesOf(i).length ? ' (one node with ' + aliasesOf(i).join(', ') + ')' : '');
     name.appendChild(label);
+    if (tpStyle(i)) {  // before the class name, which gives way first in a narrow panel
+      name.appendChild(tpTag(i));
+      row.classList.add('split');
+    }
     name.appendChild(el('span', 'cls', className(i)));
     if (aliasesOf(i).length) {
       const tag = el('span', 'alias', 'tied');
@@ -496,6 +515,7 @@
       (calls === 0 ? 'never called in the traced step' : 'called ' + calls + '× per step') +
       (aliases.length ? ' · also ' + aliases.join(', ') : '') +
       (children[i].length ? ' · ' + children[i].length + ' children' : '')));
+    if (TP) parts.push(tensorParallelNote(i));
 
     const table = el('table');
     const head = el('tr');
@@ -529,6 +549,24 @@
       : 'The subtree spans stages ' + spread.map((x) => x[0] + ' (' + fmtPct(x[1]) + ')').join(', ') +
         ' of its ' + state.sizeBy + '.'));
     box.replaceChildren(...parts);
+  }
+
+  /** How node i is split across its tensor-parallel group, and what that means for its weight. */
+  function tensorParallelNote(i) {
+    const note = el('div', 'tp-note');
+    const style = tpStyle(i);
+    if (style) {
+      note.classList.add('split');
+      note.appendChild(tpTag(i));
+      note.appendChild(document.createTextNode(' ' + (TP.explain[style] || '') + '.'));
+    } else if (T.params[i] > 0) {
+      note.textContent = 'Not split by tensor parallelism: each of the ' + TP.degree + ' ranks holds all of it.';
+    }
+    if (splitBelow[i] > 0) {
+      note.appendChild(el('div', 'inside', splitBelow[i] + ' module' + (splitBelow[i] > 1 ? 's' : '') +
+        ' inside ' + (splitBelow[i] > 1 ? 'are' : 'is') + ' split ' + TP.degree + ' ways.'));
+    }
+    return note;
   }
 
   // ================================================================ stage balance
@@ -628,6 +666,13 @@
       sw.style.background = stageColor(s);
       it.appendChild(sw);
       it.appendChild(document.createTextNode('stage ' + s));
+      items.push(it);
+    }
+    if (TP) {
+      const it = el('span', 'item tp-legend');
+      it.appendChild(el('span', 'tp-tag', 'tp×' + TP.degree));
+      it.appendChild(document.createTextNode(SPLIT_COUNT + ' module' + (SPLIT_COUNT === 1 ? '' : 's') + ' split'));
+      it.title = TP.summary;
       items.push(it);
     }
     box.replaceChildren(...items);

@@ -90,12 +90,15 @@ def measure(stages: int, log_messages: bool = True) -> dict[str, Any]:
 
             def logged_send(src: int, address: Any, message: Any) -> None:
                 kind = type(message).__name__
+                call_id = getattr(message, "call_id", None)
                 if kind == "Request":
-                    modules[message.call_id] = message.module
+                    modules[call_id] = message.module
+                elif kind == "Fetch":  # a handle materialised: its answer carries the held output
+                    modules[call_id] = f"{modules.get(message.of_call, '?')} (fetched)"
                 size = payload_bytes(message)
                 if address[0] != src and size:
-                    log.append((kind, modules.get(message.call_id, "?"), message.microbatch, src, address[0],
-                                size, getattr(message, "call_id", None)))
+                    log.append((kind, modules.get(call_id, "?"), message.microbatch, src, address[0], size,
+                                call_id))
                 send(src, address, message)
 
             transport.send = logged_send  # an instance attribute: senders look it up at every call

@@ -84,7 +84,8 @@ GradPost = Callable[[tuple[Any, int, bool], dict[int, torch.Tensor]], None]
 #: Leaf values that cross as they are (no tensors inside).
 PLAIN_TYPES = (type(None), bool, numbers.Number, str, bytes, torch.dtype, torch.device, torch.Size,
                slice, type(Ellipsis), torch.memory_format, torch.layout)
-_SCALARS = frozenset({bool, int, float, complex, str, bytes, torch.dtype, torch.device})
+#: Values that hold no tensor and cross as they are (`handles` adds its references).
+_SCALARS = {bool, int, float, complex, str, bytes, torch.dtype, torch.device}
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _ROUTE_ATTR = "_smpart_route"
 

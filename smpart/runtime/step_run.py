@@ -55,6 +55,7 @@ class StepRun:
         self.active_microbatches = config.active_microbatches
         self.average_grads = config.average_grads_across_microbatches
         self.timeout_s = config.timeout_s
+        self.handles = config.output_handles
         self.aborted = threading.Event()
         self.turn = threading.Condition()
         self.next_turn = 0
@@ -81,7 +82,7 @@ class StepRun:
         self.transport.open(self.address)
         start = time.time()
         self.broadcast(BeginStep(self.step, self.microbatches, self.schedule, self.active_microbatches,
-                                 self.timeout_s, self.address))
+                                 self.timeout_s, self.address, self.handles))
         threads: list[threading.Thread] = []
         results: list[Any] = [None] * self.microbatches
         failures: list[BaseException] = []

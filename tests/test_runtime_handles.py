@@ -50,7 +50,8 @@ def chain_bytes(model: torch.nn.Module, args: tuple, stages: dict[str, int], act
     return expected
 
 
-def _train(stages: int, steps: int = 2, check_grads: bool = True, **init) -> tuple[list[dict], Counter, float]:
+def _train(stages: int, steps: int = 2, check_grads: bool = True,
+           **init) -> tuple[list[dict], Counter, float]:
     """Train GPT-2 (float64) split in ``stages`` next to the unsplit model; every step's bytes_sent,
     the chain's bytes and the largest difference of the trained state."""
     example = ZOO["gpt2"](dtype=torch.float64)
@@ -125,8 +126,8 @@ def test_a_handle_answers_metadata_without_its_data_and_refuses_use_outside_a_st
     handle = Handle(ref, "cpu")
     assert isinstance(handle, torch.Tensor)
     assert (handle.shape, handle.size(-1), handle.dim(), len(handle)) == ((2, 3, 4), 4, 3, 2)
-    assert (handle.dtype, handle.device, handle.requires_grad, handle.numel()) == (torch.float16,
-                                                                                    torch.device("cpu"), True, 24)
+    assert (handle.dtype, handle.device, handle.requires_grad) == (torch.float16, torch.device("cpu"), True)
+    assert handle.numel() == 24
     assert "HandleRef" in repr(handle)
     with pytest.raises(SmpartError, match="outside the step"):
         handle + 1

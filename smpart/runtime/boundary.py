@@ -166,6 +166,11 @@ def _apply(arrival: Arrival) -> tuple[torch.Tensor, ...]:
     return _apply_unchecked(arrival, _ANCHOR)
 
 
+def is_plain(kind: type) -> bool:
+    """Whether values of type ``kind`` are leaves that hold no tensor (numbers, strings, dtypes)."""
+    return kind in _SCALARS
+
+
 def walk(value: Any, visit: Callable[[torch.Tensor], Any], what: Callable[[], str] | None = None,
          grad_enabled: bool = True) -> Any:
     """``value`` rebuilt with ``visit(tensor)`` in place of each tensor, tensors in a fixed order.

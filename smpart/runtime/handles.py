@@ -54,7 +54,8 @@ class HandleRef:
     """Names tensor ``index`` of the output of call ``call_id``, held by ``owner`` (an address)
     for ``microbatch`` of ``step``; ``route`` is where a fetched copy posts its gradient."""
 
-    __slots__ = ("owner", "step", "microbatch", "call_id", "index", "shape", "dtype", "requires_grad", "route")
+    __slots__ = ("owner", "step", "microbatch", "call_id", "index", "shape", "dtype", "requires_grad",
+                 "route")
 
     def __init__(self, owner: Any, step: int, microbatch: int, call_id: Any, index: int, shape: tuple,
                  dtype: torch.dtype, requires_grad: bool, route: Route) -> None:
@@ -192,7 +193,8 @@ def hold(value: Any, owner: Any, step: int, microbatch: int, call_id: Any, held:
         index += 1
         held[(call_id, i)] = tensor
         route = forwarded.get(i) or Route(owner, call_id, i, True)
-        return HandleRef(owner, step, microbatch, call_id, i, tuple(tensor.shape), tensor.dtype, i in wanted, route)
+        return HandleRef(owner, step, microbatch, call_id, i, tuple(tensor.shape), tensor.dtype, i in wanted,
+                         route)
 
     return boundary.walk(value, visit)
 
@@ -201,11 +203,29 @@ def resolve(value: Any, here: Callable[[HandleRef], Any], elsewhere: Callable[[H
             owner: Any) -> Any:
     """``value`` with each reference replaced: ``here(ref)`` for those ``owner`` holds, else
     ``elsewhere(ref)``."""
-    return pytree.tree_map(lambda v: (here(v) if v.owner == owner else elsewhere(v))
-                           if type(v) is HandleRef else v, value)
+    def swap(v: Any) -> Any:
+        return (here(v) if v.owner == owner else elsewhere(v)) if type(v) is HandleRef else v
+
+    return _map_leaves(value, swap)
 
 
-def arrive_fetched(tensor: torch.Tensor, ref: HandleRef, device: torch.device | None, post: GradPost) -> torch.Tensor:
+def _map_leaves(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """``value`` with ``fn`` applied to every leaf: plain tuples, lists and dicts walked directly
+    (pytree's generic flatten is slow), other containers through pytree."""
+    kind = type(value)
+    if kind is tuple:
+        return tuple([_map_leaves(v, fn) for v in value])
+    if kind is list:
+        return [_map_leaves(v, fn) for v in value]
+    if kind is dict:
+        return {k: _map_leaves(v, fn) for k, v in value.items()}
+    if kind is HandleRef or value is None or isinstance(value, torch.Tensor) or boundary.is_plain(kind):
+        return fn(value)
+    return pytree.tree_map(fn, value)
+
+
+def arrive_fetched(tensor: torch.Tensor, ref: HandleRef, device: torch.device | None,
+                   post: GradPost) -> torch.Tensor:
     """A fetched (or locally held) tensor as it arrives: detached behind an `_Arrive` node posting
     its gradient along ``ref.route``, as a call's output arrives (``ref`` not requiring grad: only
     detached)."""

@@ -511,7 +511,8 @@ class StageServer:
         try:
             response = waiter.wait(run.timeout_s, what, lambda: self._check(run))
         except TimedOut as err:
-            raise PipelineError(str(err), stage=self.stage, microbatch=ref.microbatch, rank=self.rank) from None
+            raise PipelineError(str(err), stage=self.stage, microbatch=ref.microbatch,
+                                rank=self.rank) from None
         if response.error is not None:
             raise response.error
         return handles.arrive_fetched(response.output, ref, self.device, run.outbox.post)
@@ -549,7 +550,8 @@ class StageServer:
         if remote:
             output = carried.unpack_answer(output, response.carried, originals, self.device)
         restore_requires_grad(output, response.grad_mask)
-        output = boundary.arrive(output, self.device, route if ambient.grad_enabled else None, run.outbox.post)
+        route = route if ambient.grad_enabled else None
+        output = boundary.arrive(output, self.device, route, run.outbox.post)
         return self._resolve(run, mb, output) if response.refs else output
 
     def enter_compute(self, frame: Frame) -> None:

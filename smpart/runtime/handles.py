@@ -11,9 +11,7 @@ On the receiving side a reference becomes:
 
 - on its owner (the caller passed it back, as the root passes block ``i``'s output to block
   ``i + 1``): the held tensor itself, so consecutive calls on the owner chain in one autograd
-  graph and nothing crosses. Under tensor parallelism it is the held tensor behind a local
-  boundary instead (its gradient comes back as a message to the owner itself), which keeps every
-  call's graph built on one thread (see `gradients.backpropagate`);
+  graph and nothing crosses;
 - anywhere else: a `Handle`, a tensor subclass with the reference's shape, dtype and device and
   no data. ``.shape``, ``.size()``, ``.dim()``, ``len()``, ``.dtype``, ``.device``,
   ``.requires_grad`` are answered from it; the first other torch operation that touches it
@@ -33,7 +31,9 @@ Nothing waits for a handle's gradient: the end of a backward pass is detected by
 owner drops what it holds when the micro-batch is released.
 
 `Config.output_handles` (default on; ``SMPART_HANDLES=0`` turns the default off) switches the whole
-mechanism: off, every output crosses as data, as before.
+mechanism: off, every output crosses as data, as before. With tensor parallelism it is off for now
+(see `StepRun`): pipeline x tensor parallelism with handles trained wrong in a test, not yet
+understood.
 """
 
 from __future__ import annotations

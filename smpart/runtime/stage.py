@@ -490,10 +490,6 @@ class StageServer:
         if tensor is None:
             raise PipelineError(handles.describe_missing(ref, self.stage), stage=self.stage,
                                 microbatch=ref.microbatch, rank=self.rank)
-        if self.tp_follower or self.tp_followers:
-            # Tensor parallelism: keep every call's graph its own (built on one thread, so autograd
-            # orders its collectives alike on every rank); the gradient comes back as a message.
-            return handles.arrive_fetched(tensor, ref, self.device, run.outbox.post)
         return tensor
 
     def fetch(self, frame: Frame, ref: handles.HandleRef) -> torch.Tensor:

@@ -73,11 +73,12 @@ def chain_cuts(order: list[str], stages: dict[str, int]) -> list[tuple[str, str,
     return cuts
 
 
-def measure(stages: int, log_messages: bool = True) -> dict[str, Any]:
+def measure(stages: int, log_messages: bool = True, pin: dict[str, int] | None = None) -> dict[str, Any]:
     """One counted step on whatever this process is (threads, or a rank of a pool)."""
     ex = example()
     order = leaf_order(ex.model, ex.args)
-    smpart.init(pipeline_parallel_degree=stages, microbatches=MICROBATCHES, pipeline="1f1b", timeout_s=120)
+    smpart.init(pipeline_parallel_degree=stages, microbatches=MICROBATCHES, pipeline="1f1b", timeout_s=120,
+                pin=pin or {})
     try:
         model = smpart.DistributedModel(ex.model)
         train_step(model, ex, *ex.args, ex.target)  # trace, partition, place
@@ -90,12 +91,15 @@ def measure(stages: int, log_messages: bool = True) -> dict[str, Any]:
 
             def logged_send(src: int, address: Any, message: Any) -> None:
                 kind = type(message).__name__
+                call_id = getattr(message, "call_id", None)
                 if kind == "Request":
-                    modules[message.call_id] = message.module
+                    modules[call_id] = message.module
+                elif kind == "Fetch":  # a handle materialised: its answer carries the held output
+                    modules[call_id] = f"{modules.get(message.of_call, '?')} (fetched)"
                 size = payload_bytes(message)
                 if address[0] != src and size:
-                    log.append((kind, modules.get(message.call_id, "?"), message.microbatch, src, address[0],
-                                size, getattr(message, "call_id", None)))
+                    log.append((kind, modules.get(call_id, "?"), message.microbatch, src, address[0], size,
+                                call_id))
                 send(src, address, message)
 
             transport.send = logged_send  # an instance attribute: senders look it up at every call
@@ -116,16 +120,26 @@ def measure(stages: int, log_messages: bool = True) -> dict[str, Any]:
         smpart.shutdown()
 
 
-def on_rank(rank: int, stages: int) -> dict[str, int] | None:
-    result = measure(stages, log_messages=False)
+def on_rank(rank: int, stages: int, pin: dict[str, int] | None = None) -> dict[str, int] | None:
+    result = measure(stages, log_messages=False, pin=pin)
     return result["bytes_sent"] if rank == 0 else None
 
 
-def report(stages: int, r: dict[str, Any], n_embd: int, seq: int) -> dict[tuple[int, int], int]:
+def whole_blocks(module_stages: dict[str, int]) -> dict[str, int] | None:
+    """Pins that keep the partition's stages but never cut inside a block (each block goes whole to
+    its own code's stage); None if no block is cut inside."""
+    top = {n: s for n, s in module_stages.items() if n.count(".") <= 2 and n != "transformer.h"}
+    split = any(module_stages[n] != module_stages[n.rsplit(".", 1)[0]] for n in module_stages
+                if n.startswith("transformer.h.") and n.count(".") == 3)
+    return top if split else None
+
+
+def report(stages: int, r: dict[str, Any], n_embd: int, seq: int,
+           title: str = "") -> dict[tuple[int, int], int]:
     ms = r["module_stages"]
     top = [name for name in ms if name.count(".") <= 2 and name not in ("transformer.h",)]
     placed = ", ".join(f"{n or '<root>'}:{ms[n]}" for n in top)
-    print(f"\n== {stages} stages: {placed}")
+    print(f"\n== {stages} stages{title}: {placed}")
     blocks = [n for n in ms if n.startswith("transformer.h.") and n.count(".") == 3]
     split_inside = sorted({n.rsplit(".", 1)[0] for n in blocks if ms[n] != ms[n.rsplit(".", 1)[0]]})
     for name in split_inside:
@@ -211,26 +225,40 @@ def main() -> None:
     seq = ex.args[0].shape[1]
     print(f"GPT-2 zoo model: {cfg.n_layer} layers, n_embd {cfg.n_embd}, seq {seq}, vocab {cfg.vocab_size}, "
           f"batch {BATCH}, {MICROBATCHES} micro-batches, 1f1b; bytes of one step (threads)")
-    threads = {s: report(s, measure(s), cfg.n_embd, seq) for s in a.stages}
+    threads, pins = {}, {}
+    for s in a.stages:
+        r = measure(s)
+        threads[(s, None)] = report(s, r, cfg.n_embd, seq)
+        pins[s] = whole_blocks(r["module_stages"])
+        if pins[s] is not None:  # the same stages, with the block cut inside kept whole
+            threads[(s, "whole")] = report(s, measure(s, pin=pins[s]), cfg.n_embd, seq,
+                                           " (the same, split blocks kept whole by pins)")
     if a.processes:
         from bench.processes import RankPool
 
         for world in a.processes:
+            if world not in pins:
+                pins[world] = whole_blocks(measure(world, log_messages=False)["module_stages"])
+            runs = [(None, None)] + ([("whole", pins[world])] if pins[world] is not None else [])
             with RankPool(world) as pool:
-                sent = pool.run(on_rank, world)[0]
-            ref = threads.get(world, sent)
-            diff = {k: sent.get(k, 0) - ref.get(k, 0) for k in set(sent) | set(ref)}
-            diff = {k: v for k, v in diff.items() if v}
-            print(f"\n{world} processes: bytes_sent {dict(sorted(sent.items()))}, total {sum(sent.values())} "
-                  f"B; minus the thread runtime's count: {diff or 'nothing (the same)'}")
-            result_bytes = MICROBATCHES * 4
-            if any(v == result_bytes and k[0] == 0 for k, v in diff.items()):
-                print("   (the process transport also counts the previous step's StepResult, which carries "
-                      f"the {MICROBATCHES} float32 losses from the driver's rank to the others: "
-                      f"{result_bytes} B per other rank)")
-            if any(not (v == result_bytes and k[0] == 0) for k, v in diff.items()):
-                print("   (the rest varies from run to run: how many partial gradients of one tensor go "
-                      "separately depends on whether they arrive before the stage's backward segment runs)")
+                for key, pin in runs:
+                    sent = pool.run(on_rank, world, pin)[0]
+                    ref = threads.get((world, key), sent)
+                    diff = {k: sent.get(k, 0) - ref.get(k, 0) for k in set(sent) | set(ref)}
+                    diff = {k: v for k, v in diff.items() if v}
+                    what = " (split blocks kept whole)" if key else ""
+                    same = diff or "nothing (the same)"
+                    print(f"\n{world} processes{what}: bytes_sent {dict(sorted(sent.items()))}, total "
+                          f"{sum(sent.values())} B; minus the thread runtime's count: {same}")
+                    result_bytes = MICROBATCHES * 4
+                    if any(v == result_bytes and k[0] == 0 for k, v in diff.items()):
+                        print("   (the process transport also counts the previous step's StepResult, "
+                              f"which carries the {MICROBATCHES} float32 losses from the driver's rank to "
+                              f"the others: {result_bytes} B per other rank)")
+                    if any(not (v == result_bytes and k[0] == 0) for k, v in diff.items()):
+                        print("   (the rest varies from run to run: how many partial gradients of one "
+                              "tensor go separately depends on whether they arrive before the stage's "
+                              "backward segment runs)")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ through `Config.from_any`, which names the bad key or value and what would be ac
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,10 @@ class Config:
     param_memory_factor: float = 4.0
     #: Seconds any wait inside a step may take before it is reported as a hang.
     timeout_s: float = 300.0
+    #: A module's output stays on the stage that made it until a stage computes with it (the
+    #: caller gets a handle), so activations cross each cut once per direction, as on a chain.
+    #: False: every output crosses back to its caller as data. ``SMPART_HANDLES=0`` sets the default.
+    output_handles: bool = field(default_factory=lambda: os.environ.get("SMPART_HANDLES", "1") != "0")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -107,6 +112,8 @@ class Config:
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ConfigError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
                               f"got {self.placement_strategy!r}")
+        if not isinstance(self.output_handles, bool):
+            raise ConfigError(f"output_handles must be True or False, got {self.output_handles!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if not isinstance(self.activation_checkpointing, list | tuple) or not all(

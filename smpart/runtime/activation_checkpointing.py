@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from smpart.errors import ConfigError
+from smpart.runtime.handles import materialise_all
 from smpart.tracing.tracer import RECOMPUTED_FORWARD
 
 
@@ -105,6 +106,8 @@ class CheckpointedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # nothing is saved without autograd: nothing to recompute
             return self.forward(*args, **kwargs)
+        # A tensor held by another stage (`handles`) is fetched now, not inside the recomputed region.
+        args, kwargs = materialise_all((args, kwargs))
         keys = tuple(kwargs)
         return checkpoint(self._unflatten, len(args), keys, *args, *kwargs.values(),
                           use_reentrant=False, preserve_rng_state=self.preserve_rng_state)

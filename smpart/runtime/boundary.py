@@ -84,7 +84,8 @@ GradPost = Callable[[tuple[Any, int, bool], dict[int, torch.Tensor]], None]
 #: Leaf values that cross as they are (no tensors inside).
 PLAIN_TYPES = (type(None), bool, numbers.Number, str, bytes, torch.dtype, torch.device, torch.Size,
                slice, type(Ellipsis), torch.memory_format, torch.layout)
-_SCALARS = frozenset({bool, int, float, complex, str, bytes, torch.dtype, torch.device})
+#: Values that hold no tensor and cross as they are (`handles` adds its references).
+_SCALARS = {bool, int, float, complex, str, bytes, torch.dtype, torch.device}
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _ROUTE_ATTR = "_smpart_route"
 
@@ -163,6 +164,11 @@ def _apply(arrival: Arrival) -> tuple[torch.Tensor, ...]:
     if torch._C._are_functorch_transforms_active():
         return _Arrive.apply(arrival, _ANCHOR)
     return _apply_unchecked(arrival, _ANCHOR)
+
+
+def is_plain(kind: type) -> bool:
+    """Whether values of type ``kind`` are leaves that hold no tensor (numbers, strings, dtypes)."""
+    return kind in _SCALARS
 
 
 def walk(value: Any, visit: Callable[[torch.Tensor], Any], what: Callable[[], str] | None = None,

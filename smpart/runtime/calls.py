@@ -5,7 +5,8 @@ so ``module(...)``, its hooks and ``module.forward(...)`` all go through it). Ev
 pipeline work carries a `Frame` (thread-local): which endpoint it works for (a stage's server or
 a micro-batch's driver), for which step and micro-batch. A call to a module of the frame's own
 stage runs inline, exactly as in the unsplit model; a call to a module of another stage becomes
-``frame.endpoint.call(...)``, a `Request` whose answer comes back as fresh tensors.
+``frame.endpoint.call(...)``, a `Request` whose answer comes back as fresh tensors, or as handles
+to tensors the callee keeps (`handles`).
 
 A stage frame holds its stage's turn (``frame.claim``) while it computes. Waiting for another
 stage it gives the turn back; resumed, it runs as *glue* (the few lines between two remote calls
@@ -34,6 +35,10 @@ class Endpoint(Protocol):
     stage: int | None
 
     def call(self, frame: Frame, stage: int, model: int, module: str, args: tuple, kwargs: dict) -> Any: ...
+
+    def fetch(self, frame: Frame, ref: Any) -> Any:
+        """The data of a `handles.Handle` (``ref``: its reference), as it arrives here."""
+        ...
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from smpart.errors import PipelineError, SmpartError
-from smpart.runtime import boundary, carried
+from smpart.runtime import boundary, carried, handles
 from smpart.runtime.ambient import capture
 from smpart.runtime.calls import Frame, as_pipeline_error, running
 from smpart.runtime.gradients import (
@@ -35,6 +35,7 @@ from smpart.runtime.gradients import (
 from smpart.runtime.messages import (
     STAGE,
     Credit,
+    Fetch,
     ForwardDone,
     Gradients,
     MicrobatchFinished,
@@ -125,6 +126,7 @@ class Driver:
         call_id = new_call_id(run.place)
         ambient = capture()
         what = lambda: f"the arguments of module {module!r} (stage {stage})"  # noqa: E731
+        (args, kwargs), refs = handles.departing((args, kwargs))
         kept, forwarded = boundary.depart_call(args, kwargs, ambient.grad_enabled, what)
         if kept is not None:
             self.sent[call_id] = (module, kept)
@@ -133,22 +135,37 @@ class Driver:
         (sent_args, sent_kwargs), originals = (carried.pack_call((args, kwargs)) if remote
                                                else ((args, kwargs), []))
         run.send(callee, Request(run.step, mb, call_id, self.address, model, module, sent_args, sent_kwargs,
-                                 ambient, forwarded, grad_mask(kept, forwarded), bool(originals)))
+                                 ambient, forwarded, grad_mask(kept, forwarded), bool(originals), refs))
         self.pass_turn()
-        deadline = time.monotonic() + run.timeout_s
-        what_wait = f"module {module or '<root>'!r} on stage {stage}"
-        message = None
-        while not (isinstance(message, Response) and message.call_id == call_id):
-            message = self._next(deadline, what_wait)
-        if message.error is not None:
-            raise message.error
+        message = self._response(call_id, f"module {module or '<root>'!r} on stage {stage}")
         route = boundary.route_back(callee, call_id, True, message.forwarded)
         output = message.output
         if remote:
             output = carried.unpack_answer(output, message.carried, originals, None)
         restore_requires_grad(output, message.grad_mask)
         route = route if ambient.grad_enabled else None
-        return boundary.arrive(output, None, route, self.outbox.post)
+        output = boundary.arrive(output, None, route, self.outbox.post)
+        if message.refs:  # outputs held by other stages: the body computes with data
+            output = handles.resolve(output, None, lambda ref: self.fetch(frame, ref), None)
+        return output
+
+    def fetch(self, frame: Frame, ref: handles.HandleRef) -> torch.Tensor:
+        """Materialise a handle: ask the stage holding it for the data."""
+        run = self.run
+        fetch_id = new_call_id(run.place)
+        run.send(ref.owner, Fetch(run.step, ref.microbatch, fetch_id, self.address, ref.call_id, ref.index))
+        message = self._response(fetch_id, f"a tensor held at {ref.owner}")
+        return handles.arrive_fetched(message.output, ref, None, self.outbox.post)
+
+    def _response(self, call_id: Any, what: str) -> Response:
+        """Serve the inbox until the answer to ``call_id`` comes; raise the error it brings."""
+        deadline = time.monotonic() + self.run.timeout_s
+        message = None
+        while not (isinstance(message, Response) and message.call_id == call_id):
+            message = self._next(deadline, what)
+        if message.error is not None:
+            raise message.error
+        return message
 
     # ================================================================ backward
     def backward(self, loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:

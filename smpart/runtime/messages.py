@@ -57,6 +57,10 @@ class Request:
     grad_mask: tuple[int, ...] = ()
     #: Carried state (caches) was packed for another process: unpack it, and answer with copies.
     carried: bool = False
+    #: The arguments hold `handles.HandleRef`s to resolve.
+    refs: bool = False
+    #: The caller takes handles for the outputs (a stage); a driver asks for data.
+    handles: bool = False
 
 
 @dataclass(slots=True)
@@ -72,6 +76,21 @@ class Response:
     grad_mask: tuple[int, ...] = ()
     #: Snapshots of the carried objects of the call's arguments, as the callee left them.
     carried: list = field(default_factory=list)
+    #: The output holds `handles.HandleRef`s to resolve.
+    refs: bool = False
+
+
+@dataclass(slots=True)
+class Fetch:
+    """Send tensor ``index`` of the output of call ``of_call``, which the receiving stage holds, to
+    ``reply_to`` as the `Response` to ``call_id`` (a handle is materialised; see `handles`)."""
+
+    step: int
+    microbatch: int
+    call_id: Any
+    reply_to: Address
+    of_call: Any
+    index: int
 
 
 @dataclass(slots=True)
@@ -122,6 +141,8 @@ class BeginStep:
     active_microbatches: int | None
     timeout_s: float
     coordinator: Address
+    #: Stages answer each other's calls with handles (`Config.output_handles`).
+    handles: bool = False
 
 
 @dataclass(slots=True)

@@ -5,7 +5,8 @@ into state or work, and a pool of *worker* threads that do the work:
 
 - a `Request` becomes a job that claims the stage's turn (`scheduler`) as the next forward call
   of its micro-batch, runs the module, keeps its outputs for the backward and answers;
-- a `Response` wakes the call that waits for it;
+- a `Response` wakes the call (or the fetch of a handle) that waits for it;
+- a `Fetch` is answered at once with a tensor the stage holds (`handles`);
 - `Gradients` join their micro-batch's backlog, and one backward segment runs for everything
   queued by the time it holds the turn (`gradients`);
 - step control (begin, forward done, release, abort, end) updates the step's state.
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 
 from smpart.errors import PipelineError, SmpartError
-from smpart.runtime import boundary, carried
+from smpart.runtime import boundary, carried, handles
 from smpart.runtime.ambient import Ambient, capture
 from smpart.runtime.calls import Frame, as_pipeline_error, running
 from smpart.runtime.gradients import (
@@ -56,6 +57,7 @@ from smpart.runtime.messages import (
     BeginStep,
     EndStep,
     Failed,
+    Fetch,
     ForwardDone,
     Gradients,
     Grant,
@@ -133,6 +135,9 @@ class StageStep:
         self.resumes: dict[int, int] = defaultdict(int)  # resumed calls per micro-batch
         self.gradients_sent: dict[int, dict] = defaultdict(dict)  # per micro-batch: endpoint -> count
         self.served: dict[int, CallRecords] = defaultdict(dict)  # outputs this stage returned
+        #: Outputs answered as handles, per micro-batch: (call id, tensor index) -> tensor.
+        self.held: dict[int, dict[tuple[Any, int], torch.Tensor]] = defaultdict(dict)
+        self.handles = begin.handles
         self.sent: dict[int, CallRecords] = defaultdict(dict)  # arguments this stage sent
         self.waiting: dict[Any, Waiter] = {}
         self.backlog: dict[int, list[Gradients]] = defaultdict(list)
@@ -231,7 +236,7 @@ class StageServer:
         self._handlers: dict[type, Callable[[Any], None]] = {
             BeginStep: self._on_begin, Request: self._on_request, Response: self._on_response,
             Gradients: self._on_gradients, ForwardDone: self._on_forward_done, Release: self._on_release,
-            Abort: self._on_abort, EndStep: self._on_end, Grant: self._on_grant,
+            Abort: self._on_abort, EndStep: self._on_end, Grant: self._on_grant, Fetch: self._on_fetch,
         }
         transport.open(self.address)
         self.thread = threading.Thread(target=self._dispatch_loop, name=f"smpart-stage{stage}", daemon=True)
@@ -325,6 +330,19 @@ class StageServer:
         if waiter is not None:
             waiter.deliver(message)
 
+    def _on_fetch(self, message: Fetch) -> None:
+        """Send a held tensor to the endpoint materialising its handle (no turn: it exists)."""
+        run = self._live(message)
+        if run is None:
+            return
+        tensor = run.held.get(message.microbatch, {}).get((message.of_call, message.index))
+        error = None
+        if tensor is None:
+            error = PipelineError(f"stage {self.stage} no longer holds output {message.index} of call "
+                                  f"{message.of_call}: a tensor was used after its micro-batch was released",
+                                  stage=self.stage, microbatch=message.microbatch, rank=self.rank)
+        self.send(message.reply_to, Response(run.step, message.microbatch, message.call_id, tensor, error))
+
     def _on_gradients(self, message: Gradients) -> None:
         run = self._live(message)
         if run is None or message.microbatch in run.released:
@@ -359,6 +377,7 @@ class StageServer:
             run.released.add(mb)
             run.served.pop(mb, None)
             run.sent.pop(mb, None)
+            run.held.pop(mb, None)
             run.scheduler.microbatch_over(mb)
             if len(run.released) == run.microbatches and self.on_gradients_final is not None:
                 self.on_gradients_final(run.step)
@@ -388,6 +407,7 @@ class StageServer:
         run.backlog.clear()
         run.served.clear()
         run.sent.clear()
+        run.held.clear()
 
     def _abort_running(self) -> None:
         if self.run is not None:
@@ -414,7 +434,7 @@ class StageServer:
             return
         self._announce(run, claim)
         frame = Frame(self, run.step, mb, run=run, claim=claim, since=time.time())
-        output, error, forwarded, mask, snapshots = None, None, {}, (), []
+        output, error, forwarded, mask, snapshots, refs = None, None, {}, (), [], False
         ambient: Ambient = request.ambient
         try:
             route = boundary.route_back(request.reply_to, request.call_id, False, request.forwarded)
@@ -426,31 +446,72 @@ class StageServer:
                                   request.grad_mask)
             args, kwargs = boundary.arrive_call(received_args, received_kwargs, self.device,
                                                 route if ambient.grad_enabled else None, run.outbox.post)
+            if request.refs:
+                args, kwargs = self._resolve(run, mb, (args, kwargs))
             staged = self.modules[(request.model, request.module)].__dict__["forward"]
             with running(frame), ambient.applied():
                 output = staged.run_here(frame, args, kwargs)
+                output, refs = handles.departing(output, materialised_as_data=not request.handles)
             what = lambda: f"the output of module {request.module!r} (stage {self.stage})"  # noqa: E731
             kept, forwarded = boundary.depart(output, ambient.grad_enabled, what)
             mask = grad_mask(kept, forwarded)
             if kept is not None:
                 run.served[mb][request.call_id] = (request.module, kept)
+            if request.handles:  # the output stays here; the caller gets references
+                output = handles.hold(output, self.address, run.step, mb, request.call_id, run.held[mb], mask,
+                                      forwarded)
+                forwarded, mask, refs = {}, (), True
             if request.carried:
                 output, snapshots = carried.pack_answer((args, kwargs), output)
         except Cancelled:
             return
         except Exception as err:
-            output, forwarded, mask = None, {}, ()
+            output, forwarded, mask, refs = None, {}, (), False
             error = as_pipeline_error(err, self.stage, request.module, mb, rank=self.rank)
         finally:
             self._step_out(frame)
-        self._answer(run, request, output, error, forwarded, mask, snapshots)
+        self._answer(run, request, output, error, forwarded, mask, snapshots, refs)
 
     def _answer(self, run: StageStep, request: Request, output: Any = None,
                 error: BaseException | None = None, forwarded: dict | None = None,
-                mask: tuple[int, ...] = (), snapshots: list | None = None) -> None:
+                mask: tuple[int, ...] = (), snapshots: list | None = None, refs: bool = False) -> None:
         if not run.aborted:
             self.send(request.reply_to, Response(run.step, request.microbatch, request.call_id, output, error,
-                                                 forwarded or {}, mask, snapshots or []))
+                                                 forwarded or {}, mask, snapshots or [], refs))
+
+    def _resolve(self, run: StageStep, mb: int, value: Any) -> Any:
+        """``value`` with its handle references resolved: the tensors this stage holds, `Handle`s for
+        the others' (see `handles`)."""
+        return handles.resolve(value, lambda ref: self._held(run, ref),
+                               lambda ref: handles.Handle(ref, self.device), self.address)
+
+    def _held(self, run: StageStep, ref: handles.HandleRef) -> torch.Tensor:
+        tensor = run.held.get(ref.microbatch, {}).get(ref.key) if ref.step == run.step else None
+        if tensor is None:
+            raise PipelineError(handles.describe_missing(ref, self.stage), stage=self.stage,
+                                microbatch=ref.microbatch, rank=self.rank)
+        return tensor
+
+    def fetch(self, frame: Frame, ref: handles.HandleRef) -> torch.Tensor:
+        """Materialise a handle: ask its owner for the data and wait (holding the turn if this frame
+        does: the owner's dispatcher answers without needing any stage's turn)."""
+        run: StageStep = frame.run
+        if ref.owner == self.address:
+            return self._held(run, ref)
+        fetch_id = new_call_id(self.place)
+        waiter = Waiter()
+        run.waiting[fetch_id] = waiter
+        self.send(ref.owner, Fetch(run.step, ref.microbatch, fetch_id, self.address, ref.call_id, ref.index))
+        what = lambda: (f"micro-batch {ref.microbatch} waited more than {run.timeout_s} s for a tensor held "  # noqa: E731
+                        f"at {ref.owner} (a hang)")
+        try:
+            response = waiter.wait(run.timeout_s, what, lambda: self._check(run))
+        except TimedOut as err:
+            raise PipelineError(str(err), stage=self.stage, microbatch=ref.microbatch,
+                                rank=self.rank) from None
+        if response.error is not None:
+            raise response.error
+        return handles.arrive_fetched(response.output, ref, self.device, run.outbox.post)
 
     def call(self, frame: Frame, stage: int, model: int, module: str, args: tuple, kwargs: dict) -> Any:
         """A module of this stage calls ``module`` on ``stage``: request it, give the turn back, wait."""
@@ -459,6 +520,7 @@ class StageServer:
         call_id = new_call_id(self.place)
         ambient = capture()
         what = lambda: f"the arguments of module {module!r} (stage {stage})"  # noqa: E731
+        (args, kwargs), refs = handles.departing((args, kwargs))
         kept, forwarded = boundary.depart_call(args, kwargs, ambient.grad_enabled, what)
         if kept is not None:
             run.sent[mb][call_id] = (module, kept)
@@ -470,7 +532,8 @@ class StageServer:
         (sent_args, sent_kwargs), originals = (carried.pack_call((args, kwargs)) if remote
                                                else ((args, kwargs), []))
         self.send(callee, Request(run.step, mb, call_id, self.address, model, module, sent_args, sent_kwargs,
-                                  ambient, forwarded, grad_mask(kept, forwarded), bool(originals)))
+                                  ambient, forwarded, grad_mask(kept, forwarded), bool(originals), refs,
+                                  run.handles))
         try:
             response = waiter.wait(run.timeout_s, lambda: self._describe_wait(run, module, mb, stage),
                                    lambda: self._check(run))
@@ -483,8 +546,9 @@ class StageServer:
         if remote:
             output = carried.unpack_answer(output, response.carried, originals, self.device)
         restore_requires_grad(output, response.grad_mask)
-        return boundary.arrive(output, self.device, route if ambient.grad_enabled else None,
-                               run.outbox.post)
+        route = route if ambient.grad_enabled else None
+        output = boundary.arrive(output, self.device, route, run.outbox.post)
+        return self._resolve(run, mb, output) if response.refs else output
 
     def enter_compute(self, frame: Frame) -> None:
         """A resumed call is about to run a module of this stage: take the turn first."""

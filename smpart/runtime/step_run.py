@@ -55,6 +55,9 @@ class StepRun:
         self.active_microbatches = config.active_microbatches
         self.average_grads = config.average_grads_across_microbatches
         self.timeout_s = config.timeout_s
+        # Tensor parallelism answers with data for now: pipeline x tensor parallelism with handles
+        # trained wrong in tests/test_checkpoint_layouts.py (not understood yet), so it is kept off.
+        self.handles = config.output_handles and config.tensor_parallel_degree == 1
         self.aborted = threading.Event()
         self.turn = threading.Condition()
         self.next_turn = 0
@@ -81,7 +84,7 @@ class StepRun:
         self.transport.open(self.address)
         start = time.time()
         self.broadcast(BeginStep(self.step, self.microbatches, self.schedule, self.active_microbatches,
-                                 self.timeout_s, self.address))
+                                 self.timeout_s, self.address, self.handles))
         threads: list[threading.Thread] = []
         results: list[Any] = [None] * self.microbatches
         failures: list[BaseException] = []

@@ -1,0 +1,133 @@
+"""Handles: an output stays on the stage that made it, so activations cross each cut once per direction.
+
+The zoo's GPT-2 has its root on stage 0 call the blocks of the other stages one by one. Without
+handles every block's output went back to stage 0 and straight out again; with them the bytes a
+step sends between each pair of stages (``timeline.bytes_sent``) are those of a chain: for every
+cut between consecutive leaf modules in call order, one activation forward and its gradient
+backward, per micro-batch. Gradients and the trained state still equal the unsplit model's.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+
+import smpart
+from examples.models import ZOO
+from smpart.errors import SmpartError
+from smpart.runtime.boundary import Route
+from smpart.runtime.handles import Handle, HandleRef
+from tests.launch import run_ranks, values
+from tests.test_runtime import TOL, assert_same_grads, reference_step, train_step
+
+MICROBATCHES, BATCH = 2, 4
+#: 4 stages cut at block boundaries (the partitioner itself cuts inside h.6, whose residual adds
+#: then run on another stage than its attention and MLP: more than one activation must cross there).
+PINS_4 = {"": 0, "transformer": 0, "transformer.wte": 0, "transformer.wpe": 0,
+          **{f"transformer.h.{i}": i // 2 for i in range(8)}, "transformer.ln_f": 3}
+
+
+def chain_bytes(model: torch.nn.Module, args: tuple, stages: dict[str, int], activation: int) -> Counter:
+    """``(src, dst) -> bytes`` of a chain: per cut between consecutive leaves (in the order the unsplit
+    model calls them), an activation forward and a gradient backward, per micro-batch."""
+    order: list[str] = []
+    hooks = [m.register_forward_pre_hook(lambda _m, _a, name=name: order.append(name))
+             for name, m in model.named_modules() if not any(True for _ in m.children())]
+    try:
+        with torch.no_grad():
+            model(*args)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    expected: Counter = Counter()
+    for a, b in zip(order, order[1:], strict=False):
+        if stages[a] != stages[b]:
+            expected[(stages[a], stages[b])] += activation * MICROBATCHES
+            expected[(stages[b], stages[a])] += activation * MICROBATCHES
+    return expected
+
+
+def _train(stages: int, steps: int = 2, check_grads: bool = True,
+           **init) -> tuple[list[dict], Counter, float]:
+    """Train GPT-2 (float64) split in ``stages`` next to the unsplit model; every step's bytes_sent,
+    the chain's bytes and the largest difference of the trained state."""
+    example = ZOO["gpt2"](dtype=torch.float64)
+    reference = copy.deepcopy(example.model)
+    smpart.init(pipeline_parallel_degree=stages, microbatches=MICROBATCHES, pipeline="1f1b", timeout_s=60,
+                **init)
+    try:
+        model = smpart.DistributedModel(example.model)
+        opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+        sent = []
+        for step in range(steps):
+            args, kwargs, target = example.batch(BATCH, seed=step)
+            out = train_step(model, example, args, kwargs, target)
+            expected = reference_step(reference, example, args, kwargs, target, MICROBATCHES)
+            assert (out.stack() - expected).abs().max().item() <= TOL
+            if check_grads:  # threads: every parameter is here
+                assert_same_grads(model, reference)
+            sent.append(dict(out.timeline.bytes_sent))
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+        stage_of = dict(smpart.partition_of(model).module_stages())
+        seq, width = args[0].shape[1], example.model.config.n_embd
+        chain = chain_bytes(reference, (args[0].chunk(MICROBATCHES)[0],), stage_of,
+                            BATCH // MICROBATCHES * seq * width * 8)
+        full = model.state_dict()
+        state_diff = max((full[k].double() - v.double()).abs().max().item()
+                         for k, v in reference.state_dict().items())
+        return sent, chain, state_diff
+    finally:
+        smpart.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("stages", "pin"), [(2, {}), (4, PINS_4)])
+def test_threads_send_what_a_chain_sends_and_train_like_the_unsplit_model(stages, pin):
+    sent, chain, state_diff = _train(stages, pin=pin)
+    assert len(chain) == (2 if stages == 2 else 8)  # pairs of stages with a cut between them
+    for step_sent in sent:
+        assert step_sent == dict(chain)
+    assert state_diff <= TOL
+
+
+@pytest.mark.timeout(120)
+def test_without_handles_outputs_bounce_and_training_is_the_same():
+    sent, chain, state_diff = _train(2, steps=1, output_handles=False)
+    assert sum(sent[0].values()) > sum(chain.values())
+    assert state_diff <= TOL
+
+
+def _on_rank(rank: int, stages: int, pin: dict):
+    sent, chain, state_diff = _train(stages, check_grads=False, pin=pin)
+    return sent, dict(chain), state_diff
+
+
+@pytest.mark.timeout(150)
+def test_processes_send_what_a_chain_sends_and_train_like_the_unsplit_model():
+    (sent, chain, state_diff), _ = values(run_ranks(_on_rank, 2, 2, {}, timeout_s=140))
+    for step_sent in sent:
+        assert step_sent.keys() == chain.keys()
+        # The process transport also counts the step result (the float64 losses) that rank 0 sends
+        # the other rank at the end of a step; it may fall into the next step's count.
+        for pair, size in chain.items():
+            assert step_sent[pair] - size in ((0, MICROBATCHES * 8) if pair == (0, 1) else (0,)), pair
+    assert state_diff <= TOL
+
+
+def test_a_handle_answers_metadata_without_its_data_and_refuses_use_outside_a_step():
+    ref = HandleRef(("nowhere", "stage"), 0, 0, (1, 2), 0, (2, 3, 4), torch.float16, True,
+                    Route(("nowhere", "stage"), (1, 2), 0, True))
+    handle = Handle(ref, "cpu")
+    assert isinstance(handle, torch.Tensor)
+    assert (handle.shape, handle.size(-1), handle.dim(), len(handle)) == ((2, 3, 4), 4, 3, 2)
+    assert (handle.dtype, handle.device, handle.requires_grad) == (torch.float16, torch.device("cpu"), True)
+    assert handle.numel() == 24
+    assert "HandleRef" in repr(handle)
+    with pytest.raises(SmpartError, match="outside the step"):
+        handle + 1

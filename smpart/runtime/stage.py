@@ -70,6 +70,7 @@ from smpart.runtime.messages import (
 )
 from smpart.runtime.schedule import BACKWARD, FORWARD, Action, schedule_named
 from smpart.runtime.scheduler import NEW, RESUME, SEGMENT, Cancelled, Claim, StageScheduler, TimedOut
+from smpart.runtime.threads import compute_thread
 from smpart.runtime.transport import Transport
 
 POLL_S = 0.05
@@ -169,8 +170,7 @@ class WorkerPool:
             if self._idle > 0:
                 self._idle -= 1
             else:
-                thread = threading.Thread(target=self._loop, name=f"{self._name}-{len(self.threads)}",
-                                          daemon=True)
+                thread = compute_thread(self._loop, f"{self._name}-{len(self.threads)}")
                 self.threads.append(thread)
                 thread.start()
             self._jobs.put(job)
@@ -239,7 +239,7 @@ class StageServer:
             Abort: self._on_abort, EndStep: self._on_end, Grant: self._on_grant, Fetch: self._on_fetch,
         }
         transport.open(self.address)
-        self.thread = threading.Thread(target=self._dispatch_loop, name=f"smpart-stage{stage}", daemon=True)
+        self.thread = compute_thread(self._dispatch_loop, f"smpart-stage{stage}")
         self.thread.start()
 
     # ================================================================ lifecycle

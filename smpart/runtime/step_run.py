@@ -32,6 +32,7 @@ from smpart.runtime.messages import (
 )
 from smpart.runtime.scheduler import Cancelled
 from smpart.runtime.stage import POLL_S
+from smpart.runtime.threads import compute_thread
 from smpart.runtime.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -125,7 +126,7 @@ class StepRun:
         args, kwargs = self.pieces[microbatch]
         driver = Driver(self, microbatch, args, kwargs)
         name = f"smpart-step{self.step}-mb{microbatch}"
-        thread = threading.Thread(target=driver.main, name=name, daemon=True)
+        thread = compute_thread(driver.main, name)
         thread.start()
         return thread
 

@@ -32,18 +32,14 @@ unit; ``--calibration-sleep 0`` for idle layers as `bench/planner_fidelity.py` c
 planner's fixed-cost knobs are fitted on 8 configurations of it, by non-negative least squares on
 the relative error, the Jacobian being finite differences of the planner's own predictions:
 ``microbatch_overhead_s`` (per micro-batch per stage), ``message_latency_s`` (per boundary
-crossing), the intra-node bandwidth (tensor-parallel all-reduces and boundary bytes) and
-``grad_bytes_per_param`` / bandwidth (the data-parallel sync). The scored model never enters the
+crossing), the intra-node bandwidth (tensor-parallel all-reduces and boundary bytes),
+``grad_bytes_per_param`` / bandwidth (the data-parallel sync) and ``collective_latency_s`` (per
+tensor-parallel collective call: on gloo each costs milliseconds whatever its size, and the
+calls grow with the micro-batches while the bytes do not). The scored model never enters the
 calibration.
 
-**What-if.** The cost model prices a tensor-parallel all-reduce by its bytes only; on gloo under
-load each costs a latency, and the count grows with the micro-batches while the bytes do not.
-The last column fits, on the same calibration runs, one more term, ``λ`` per all-reduce on the
-critical path (`allreduces`), and adds it to the planner's prediction: what the ranking would be
-if the cost model had it. It is not smpart's prediction.
-
-Prints the calibration figures, the table of plans with predicted (cost model alone, calibrated,
-what-if) and measured step times, and Spearman's rank correlation of each prediction with the
+Prints the calibration figures, the table of plans with predicted (cost model alone, calibrated)
+and measured step times, and Spearman's rank correlation of each prediction with the
 measurement (goal >= 0.9). ``--save`` writes the measurements; ``--replay`` scores the planner of
 the checkout at hand against them without running anything (after a change to the cost model).
 """
@@ -216,13 +212,14 @@ def costed_tree(spec: tuple):
 
 # ================================================================================= the planner
 def predictions(tree, wanted, *, bandwidth: float, microbatch_overhead_s: float, message_latency_s: float,
-                grad_bytes_per_param: float) -> dict[tuple[int, int, int, int], Any]:
+                grad_bytes_per_param: float, collective_latency_s: float = 0.0
+                ) -> dict[tuple[int, int, int, int], Any]:
     """The planner's best plan of each wanted (pp, tp, dp, micro-batches) on 4 identical devices."""
     cluster = Cluster([Node(DEVICE, WORLD, bandwidth)])
     plans = smpart.plan(tree, cluster, GLOBAL_BATCH, top=100_000, tp_degrees=[1, 2, 4],
                         reference_flops=DEVICE.flops * 0.4, efficiency=0.4, bytes_per_param=None,
                         microbatch_overhead_s=microbatch_overhead_s, message_latency_s=message_latency_s,
-                        grad_bytes_per_param=grad_bytes_per_param)
+                        grad_bytes_per_param=grad_bytes_per_param, collective_latency_s=collective_latency_s)
     out: dict[tuple[int, int, int, int], Any] = {}
     for plan in plans:  # fastest first: keep each strategy's best placement
         out.setdefault((plan.pp, plan.tp, plan.dp, plan.microbatches), plan)
@@ -238,75 +235,56 @@ class Calibration:
     message_latency_s: float
     bandwidth: float
     grad_bytes_per_param: float
+    collective_latency_s: float
 
     def options(self) -> dict[str, float]:
         return dict(self.__dict__)
 
 
 BIG = 1e30  # "infinite" bandwidth: a knob at zero costs nothing
-#: The knobs fitted, as a vector: o (per micro-batch), α (per boundary crossing), u = 1 / bandwidth
-#: and v = grad_bytes_per_param / bandwidth, with the step of each finite difference.
-KNOBS = ("per micro-batch", "per boundary crossing", "1 / bandwidth", "grad bytes / bandwidth")
-STEPS = np.array([1e-3, 1e-3, 1e-6, 4e-6])
+#: The knobs fitted, as a vector: o (per micro-batch), α (per boundary crossing), u = 1 / bandwidth,
+#: v = grad_bytes_per_param / bandwidth and λ (per tensor-parallel collective call), with the step
+#: of each finite difference.
+KNOBS = ("per micro-batch", "per boundary crossing", "1 / bandwidth", "grad bytes / bandwidth",
+         "per collective call")
+STEPS = np.array([1e-3, 1e-3, 1e-6, 4e-6, 1e-3])
 
 
 def calibration_of(x: np.ndarray) -> Calibration:
-    o, alpha, u, v = (float(value) for value in x)
+    o, alpha, u, v, lam = (float(value) for value in x)
     bandwidth = 1 / u if u > 0 else BIG
-    return Calibration(o, alpha, bandwidth, v * bandwidth)
+    return Calibration(o, alpha, bandwidth, v * bandwidth, lam)
 
 
-def fit(tree, measured: dict[tuple[int, int, int, int], float], iterations: int = 3,
-        with_latency: bool = False) -> tuple[Calibration, dict, float]:
-    """Non-negative least squares (relative error) of the planner's four fixed-cost knobs.
+def fit(tree, measured: dict[tuple[int, int, int, int], float],
+        iterations: int = 3) -> tuple[Calibration, dict]:
+    """Non-negative least squares (relative error) of the planner's fixed-cost knobs.
 
-    The planner's step time is piecewise linear in ``x`` = (o, α, u, v): each column of the
+    The planner's step time is piecewise linear in ``x`` = (o, α, u, v, λ): each column of the
     Jacobian is a finite difference of the planner's own predictions, taken around the current
     ``x`` (the best stage split can move as ``x`` does, hence a few Gauss-Newton rounds).
-
-    ``with_latency``: also fit ``λ``, seconds per tensor-parallel all-reduce on the critical path
-    (`allreduces`), a term smpart's cost model does not have (the what-if column). Returns the
-    knobs, the fitted times (λ included) and λ.
+    Returns the knobs and the fitted times.
     """
     wanted = list(measured)
     y = np.array([measured[s] for s in wanted])
     weights = 1 / y
-    extra = int(with_latency)
 
     def predict(x: np.ndarray) -> np.ndarray:
-        plans = predictions(tree, wanted, **calibration_of(x[:len(KNOBS)]).options())
-        latency = x[len(KNOBS)] * np.array([allreduces(plans[s]) for s in wanted]) if extra else 0.0
-        return np.array([plans[s].time_s for s in wanted]) + latency
+        plans = predictions(tree, wanted, **calibration_of(x).options())
+        return np.array([plans[s].time_s for s in wanted])
 
-    steps = np.append(STEPS, [1e-3] * extra)
-    x = np.zeros(len(steps))
+    x = np.zeros(len(STEPS))
     for _ in range(iterations):
         at = predict(x)
-        jacobian = np.stack([(predict(x + step * np.eye(len(steps))[k]) - at) / step
-                             for k, step in enumerate(steps)], axis=1)
+        jacobian = np.stack([(predict(x + step * np.eye(len(STEPS))[k]) - at) / step
+                             for k, step in enumerate(STEPS)], axis=1)
         target = y - at + jacobian @ x
         x = _nnls(jacobian * weights[:, None], target * weights)
-    return calibration_of(x[:len(KNOBS)]), dict(zip(wanted, predict(x), strict=True)), float(x[-1]) * extra
-
-
-def allreduces(plan) -> int:
-    """Tensor-parallel all-reduces on the step's critical path: a split block all-reduces its
-    down projection's output in the forward and its up projection's input gradient in the
-    backward, per micro-batch; through the pipeline ``(m − 1)·max_j c_j + Σ_j c_j``."""
-    if plan.tp == 1:
-        return 0
-    per_stage = [0] * plan.pp
-    for name, stage in zip(plan.layer_names, plan.stage_of_layer, strict=True):
-        parts = name.split(".")
-        if parts[0] == "blocks" and len(parts) == 2:
-            per_stage[stage] += 2
-        elif parts[0] == "blocks" and len(parts) == 3 and parts[2] in ("up", "down"):
-            per_stage[stage] += 1
-    return (plan.microbatches - 1) * max(per_stage) + sum(per_stage)
+    return calibration_of(x), dict(zip(wanted, predict(x), strict=True))
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """argmin ||a x - b|| over x >= 0, by trying every set of free variables (4 knobs: 16 sets)."""
+    """argmin ||a x - b|| over x >= 0, by trying every set of free variables (5 knobs: 32 sets)."""
     best = None
     for active in itertools.product((False, True), repeat=a.shape[1]):
         cols = [j for j, on in enumerate(active) if on]
@@ -424,7 +402,7 @@ def main() -> None:
 
     if saved:
         idle_rounds = _keyed(saved["calibration"])
-        calibration, fitted, _ = fit(calibration_tree, settle(idle_rounds, args.estimate))
+        calibration, fitted = fit(calibration_tree, settle(idle_rounds, args.estimate))
         calibrated = predictions(scored_tree, STRATEGIES, **calibration.options())
         rounds = _keyed(saved["scored"])
         run_splits = _keyed(saved["splits"])
@@ -443,13 +421,13 @@ def main() -> None:
                 measure_round(pool, calibration_spec, calibration_configs, r, args.warmup, args.steps,
                               idle_rounds)
                 if r == 0:
-                    first, _, _ = fit(calibration_tree, settle(idle_rounds, args.estimate))
+                    first, _ = fit(calibration_tree, settle(idle_rounds, args.estimate))
                     run_plans = predictions(scored_tree, STRATEGIES, **first.options())
                 measure_round(pool, SCORED, {s: p.config for s, p in run_plans.items()}, r, args.warmup,
                               args.steps, rounds)
                 console.print(f"  round {r + 1}/{args.rounds} done ({time.strftime('%H:%M:%S')}, "
                               f"load {_load()})", style="dim")
-        calibration, fitted, _ = fit(calibration_tree, settle(idle_rounds, args.estimate))
+        calibration, fitted = fit(calibration_tree, settle(idle_rounds, args.estimate))
         calibrated = predictions(scored_tree, STRATEGIES, **calibration.options())
         run_splits = {s: split_of(p) for s, p in run_plans.items()}
         if args.save:
@@ -459,37 +437,27 @@ def main() -> None:
                 "splits": _unkeyed(run_splits)}, indent=1))
     idle = settle(idle_rounds, args.estimate)
     measured = settle(rounds, args.estimate)
-    # what-if: the same fit plus λ per tensor-parallel all-reduce, a term the cost model lacks
-    what_if, what_if_fitted, latency = fit(calibration_tree, idle, with_latency=True)
-    what_if_plans = predictions(scored_tree, STRATEGIES, **what_if.options())
-    what_if_times = {s: p.time_s + latency * allreduces(p) for s, p in what_if_plans.items()}
-
     table = Table(title="calibration model: measured vs the planner with the fitted fixed costs (ms)")
-    for column in ("configuration", "cost model", "measured", "fitted", "what-if: + λ per all-reduce"):
+    for column in ("configuration", "cost model", "measured", "fitted"):
         table.add_column(column, justify="right")
     for s in CALIBRATION:
-        table.add_row(label(s), ms(calibration_plans[s].time_s), ms(idle[s]), ms(fitted[s]),
-                      ms(what_if_fitted[s]))
+        table.add_row(label(s), ms(calibration_plans[s].time_s), ms(idle[s]), ms(fitted[s]))
     console.print(table)
     console.print(f"fitted fixed costs: {describe(calibration)}")
-    console.print(f"what-if fit: {describe(what_if)}, λ [bold]{latency * 1e3:.2f} ms[/] per tensor-parallel "
-                  "all-reduce (not in smpart's cost model)")
 
     table = Table(title=f"planner vs 4 gloo processes: sleep-kernel model, global batch {GLOBAL_BATCH}, "
                         f"step times in ms (measured: {args.estimate} over {args.rounds} rounds)")
     for column in ("pp", "tp", "dp", "m", "split", "cost model", "calibrated", "measured", "rounds",
-                   "meas. / calib.", "what-if"):
+                   "meas. / calib."):
         table.add_column(column, justify="right")
     for s in STRATEGIES:
         plan = calibrated[s]
         table.add_row(*map(str, s), split_of(plan), ms(nominal[s].time_s), ms(plan.time_s), ms(measured[s]),
-                      " ".join(ms(t) for t in rounds[s]), f"{measured[s] / plan.time_s:.2f}",
-                      ms(what_if_times[s]))
+                      " ".join(ms(t) for t in rounds[s]), f"{measured[s] / plan.time_s:.2f}")
     console.print(table)
     y = [measured[s] for s in STRATEGIES]
     for name, times in (("cost model alone", {s: p.time_s for s, p in nominal.items()}),
-                        ("with the calibrated fixed costs", {s: p.time_s for s, p in calibrated.items()}),
-                        ("what-if, + λ per all-reduce", what_if_times)):
+                        ("with the calibrated fixed costs", {s: p.time_s for s, p in calibrated.items()})):
         predicted = [times[s] for s in STRATEGIES]
         ceiling = spearman(predicted, np.lexsort((y, predicted)).argsort())
         console.print(f"{name}: Spearman over {len(STRATEGIES)} plans [bold]{spearman(predicted, y):.3f}[/] "
@@ -506,7 +474,8 @@ def describe(c: Calibration) -> str:
     return (f"microbatch_overhead_s [bold]{c.microbatch_overhead_s * 1e3:.2f} ms[/], message_latency_s "
             f"[bold]{c.message_latency_s * 1e3:.2f} ms[/], intra-node bandwidth [bold]{bandwidth}[/], "
             f"data-parallel sync [bold]{c.grad_bytes_per_param / c.bandwidth * 1e9:.3g} ns[/] per parameter "
-            f"(grad_bytes_per_param / bandwidth)")
+            f"(grad_bytes_per_param / bandwidth), collective_latency_s "
+            f"[bold]{c.collective_latency_s * 1e3:.2f} ms[/]")
 
 
 def _load() -> str:

@@ -485,7 +485,8 @@ def test_a_traced_model_is_planned_with_its_blocks_checkpointed():
 def _split_tree() -> ModuleTree:
     """Two equal layers; at tp = 2 the swap-in splits all of ``split`` (its output all-reduced
     forward, its input's gradient backward) and nothing of ``whole``."""
-    split = SplitShare(params=1.0, flops=1.0, forward_bytes=1e6, backward_bytes=3e6, style="column")
+    split = SplitShare(params=1.0, flops=1.0, forward_bytes=1e6, backward_bytes=3e6, style="column",
+                       forward_collectives=1, backward_collectives=2)
     leaf = {"flops": 1e12, "param_count": 10**6, "param_bytes": 4 * 10**6, "saved_bytes": 8 * 10**6,
             "activation_bytes": 10**6}
     tree = ModuleTree.from_spec({"name": "", "children": [
@@ -496,15 +497,15 @@ def _split_tree() -> ModuleTree:
 
 def test_tensor_parallelism_divides_only_what_the_swap_in_splits():
     """Hand-worked: on a tp = 2 group the split layer runs at twice a device's speed, holds half
-    its state and activations and pays its collectives; the whole layer costs what it does on one
-    device."""
+    its state and activations and pays its collectives (bytes and a latency per call); the whole
+    layer costs what it does on one device."""
     layers = layer_sequence(_split_tree())
     cluster = Cluster([Node(DeviceType("D", 100.0, 80 * GIB), 2, 100 * GBPS)])
     devices = tuple(cluster.devices())
-    model = CostModel(layers, cluster, CostOptions(bytes_per_param=16.0))
+    model = CostModel(layers, cluster, CostOptions(bytes_per_param=16.0, collective_latency_s=1e-3))
     costs = model.strategy([StageDevices((devices,))], 2, 1, 1)
     one_device = 1e12 * 3 / (100e12 * 0.4)
-    allreduce = 2 * (2 - 1) / 2 * (1e6 + 3e6) / (100 * GBPS)
+    allreduce = 2 * (2 - 1) / 2 * (1e6 + 3e6) / (100 * GBPS) + 3 * 1e-3  # bytes, and 3 calls' latency
     assert costs.layer_times[0] == pytest.approx([one_device / 2 + allreduce, one_device])
     (row, _), = costs.replica_memory[0]
     assert row == pytest.approx([16e6 / 2 + 8e6 / 2, 16e6 + 8e6])
@@ -550,6 +551,9 @@ def test_transgan_one_head_attention_is_priced_whole_so_tensor_parallelism_loses
     assert tree.tp_degrees == (2, 4, 8)
     assert tree.node("narrow_blocks.0.attn.c_attn").tp_split[2].flops == 0.0
     assert tree.node("wide_blocks.0.attn.c_attn").tp_split[2].flops == 1.0
+    mlp = tree.node("wide_blocks.0.mlp.c_fc").tp_split[2], tree.node("wide_blocks.0.mlp.c_proj").tp_split[2]
+    # a column layer all-reduces its input's gradient in the backward, its row partner its output
+    assert [(s.forward_collectives, s.backward_collectives) for s in mlp] == [(0, 1), (1, 0)]
     cluster = Cluster([Node(device_type("V100"), 4, 170 * GBPS) for _ in range(4)], 10 * GBPS)
     unknown = ModuleTree.from_dict({**tree.to_dict(), "tp_degrees": []})
     assert plan(unknown, cluster, 64).best.tp > 1

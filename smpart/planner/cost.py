@@ -10,7 +10,8 @@ AMP's top-down decomposition, generalised to stages whose device groups differ:
   runtime's swap-in splits: the tree records, per node and degree, the share of its FLOPs and
   parameters that are split and the bytes its collectives move (`SplitShare`, from the swap-in's
   own rule); the rest (norms, an attention with one head) runs whole on every rank of the group.
-  Each collective costs ``2(tp−1)/tp · bytes / intra-node bw`` (an all-gather half that). A tree
+  Each collective costs ``2(tp−1)/tp · bytes / intra-node bw`` (an all-gather half that), plus
+  ``collective_latency_s`` per call (the calls per micro-batch are recorded too). A tree
   without records is priced the idealised way: everything divides, plus Megatron's four
   all-reduces of each layer's output (two forward, two backward).
 * **Memory-bound layers (a roofline).** A layer cannot run faster than its memory traffic
@@ -91,6 +92,9 @@ class CostOptions:
     #: Fixed time a stage spends per micro-batch beyond its layers (framework dispatch, kernel
     #: launches); the reason many tiny micro-batches stop paying off.
     microbatch_overhead_s: float = 0.0
+    #: Latency of one tensor-parallel collective call, paid per call on top of its bytes (the
+    #: alpha of the collectives: tens of µs for NCCL inside a node, milliseconds for gloo).
+    collective_latency_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -262,7 +266,18 @@ class CostModel:
             return compute
         bandwidth = min(self.cluster.bandwidth(r[0].node, r[0].node) for r in stage.replicas)
         biggest = samples * self._shares(stage).max()
-        return compute + 2 * (tp - 1) / tp * self._collective_bytes(tp, checkpointed) * biggest / bandwidth
+        latency = self.options.collective_latency_s * self._collective_calls(tp, checkpointed)
+        moved = 2 * (tp - 1) / tp * self._collective_bytes(tp, checkpointed) * biggest / bandwidth
+        return compute + moved + latency
+
+    def _collective_calls(self, tp: int, checkpointed: bool) -> np.ndarray:
+        """Per layer and micro-batch: tensor-parallel collective calls (a recomputed forward
+        repeats its own)."""
+        recomputed = checkpointed & self.layers.checkpointable
+        split = self.split(tp)
+        if split is None:
+            return np.where(self.has_params, 4 + 2 * recomputed, 0)
+        return split.forward_collectives * (1 + recomputed) + split.backward_collectives
 
     def split(self, tp: int) -> TensorSplit | None:
         """The layers split ``tp`` ways by the swap-in's rule (None: everything divides by ``tp``)."""

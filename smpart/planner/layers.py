@@ -127,6 +127,8 @@ class LayerSeq:
             activation_bytes=per_layer(node_activation * kept),
             forward_bytes=per_layer(np.array([s.forward_bytes for s in shares])),
             backward_bytes=per_layer(np.array([s.backward_bytes for s in shares])),
+            forward_collectives=per_layer(np.array([s.forward_collectives for s in shares], dtype=float)),
+            backward_collectives=per_layer(np.array([s.backward_collectives for s in shares], dtype=float)),
         )
 
     @property
@@ -172,6 +174,9 @@ class TensorSplit:
     #: Per layer: all-reduce-equivalent bytes of its collectives, forward and backward, per traced batch.
     forward_bytes: np.ndarray
     backward_bytes: np.ndarray
+    #: Per layer: collective calls per micro-batch, forward and backward.
+    forward_collectives: np.ndarray
+    backward_collectives: np.ndarray
 
 
 def layer_sequence(tree: ModuleTree, max_share: float = DEFAULT_MAX_SHARE) -> LayerSeq:

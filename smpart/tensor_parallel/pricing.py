@@ -99,19 +99,23 @@ def splittable_fraction(plan: TensorParallelPlan, tree: ModuleTree | None = None
         if not entries:
             continue
         forward = backward = 0.0
+        counts = [0, 0]
         if model is not None:
             modules = {name: model.get_submodule(name) for name in node.names}
             widths = {name: _output_width(module) for name, module in modules.items()}
+            calls = max(node.call_count // len(node.names), 1)
             for name, module in modules.items():
                 decision = plan.decisions.get(name)
                 if decision is not None and decision.split:
                     output_bytes = node.activation_bytes * widths[name] / (sum(widths.values()) or 1)
                     f, b = _collective_bytes(decision, module, output_bytes)
                     forward, backward = forward + f, backward + b
+                    counts[0] += calls * (f > 0)
+                    counts[1] += calls * (b > 0)
         out[node.name] = SplitShare(_weighted([s.params for s, _ in entries], [1.0] * len(entries)),
                                     _weighted([s.flops for s, _ in entries], [w for _, w in entries]),
                                     forward, backward,
-                                    "+".join(sorted({s.style for s, _ in entries} - {""})))
+                                    "+".join(sorted({s.style for s, _ in entries} - {""})), *counts)
     return out
 
 

@@ -52,9 +52,10 @@ class SplitShare:
     degree (the rest is replicated on every rank of the group: norms, a row-parallel bias, an
     attention kept whole). ``forward_bytes`` / ``backward_bytes``: bytes its collectives reduce or
     gather per traced batch, summed over calls (a row-parallel output, a column-parallel input's
-    gradient). ``style``: how its modules are split (``"column"``, ``"row"``, ``"vocab"``,
-    ``"dim"``, ``"heads"`` for an attention computing on local heads; ``+``-joined for a node of
-    several modules), empty when kept whole.
+    gradient); ``forward_collectives`` / ``backward_collectives``: how many collective calls move
+    them. ``style``: how its modules are split (``"column"``, ``"row"``, ``"vocab"``, ``"dim"``,
+    ``"heads"`` for an attention computing on local heads; ``+``-joined for a node of several
+    modules), empty when kept whole.
     """
 
     params: float = 0.0
@@ -62,6 +63,10 @@ class SplitShare:
     forward_bytes: float = 0.0
     backward_bytes: float = 0.0
     style: str = ""
+    #: Collective calls (all-reduces, all-gathers) per forward and per backward of one batch, over
+    #: all its calls: each pays a latency whatever its size.
+    forward_collectives: int = 0
+    backward_collectives: int = 0
 
     @property
     def split(self) -> bool:

@@ -73,9 +73,10 @@ def splittable_fraction(plan: TensorParallelPlan, tree: ModuleTree | None = None
     """Per node of ``tree`` (or per planned module without one): what ``plan`` splits of it.
 
     A planner prices a node's own cost ``c`` as ``c·(1 − share) + c·share / degree``, plus the
-    collectives. A node of several modules (a tied embedding and LM head) weighs each module's
-    share by its parameters, and its FLOPs share by its matmuls' (an embedding lookup has none);
-    the node's traced output bytes are shared out by each module's output width.
+    collectives. A node of several modules (a tied embedding and LM head: they share their
+    parameters) averages their parameter shares and weighs their FLOPs shares by their matmuls'
+    (an embedding lookup has none); the node's traced output bytes and calls are shared out by
+    each module's output width and evenly.
     Collective bytes need the traced outputs and the layers' widths, so they are counted only
     when both ``tree`` and ``model`` are given.
     """
@@ -83,8 +84,8 @@ def splittable_fraction(plan: TensorParallelPlan, tree: ModuleTree | None = None
     for name, decision in plan.decisions.items():
         params = decision.split_params / decision.params if decision.params else 0.0
         flops = 1.0 if decision.split and decision.style in (COLUMN, ROW) else 0.0
-        weight = float(decision.params) if decision.style in (COLUMN, ROW, NONE) and _is_matmul(
-            model, name) else 0.0
+        matmul = decision.style in (COLUMN, ROW, NONE) and _is_matmul(model, name)
+        weight = float(decision.params) if matmul else 0.0
         style = decision.style if decision.split else ""
         for alias in decision.names or (name,):
             per_module[alias] = (SplitShare(params, flops, style=style), weight)
@@ -103,7 +104,7 @@ def splittable_fraction(plan: TensorParallelPlan, tree: ModuleTree | None = None
         if model is not None:
             modules = {name: model.get_submodule(name) for name in node.names}
             widths = {name: _output_width(module) for name, module in modules.items()}
-            calls = max(node.call_count // len(node.names), 1)
+            calls = -(-node.call_count // len(node.names))  # each module's calls, rounded up
             for name, module in modules.items():
                 decision = plan.decisions.get(name)
                 if decision is not None and decision.split:

@@ -279,6 +279,12 @@ class CostModel:
             return np.where(self.has_params, 4 + 2 * recomputed, 0)
         return split.forward_collectives * (1 + recomputed) + split.backward_collectives
 
+    def splits(self, tp: int) -> bool:
+        """Whether the runtime's swap-in would split anything ``tp`` ways (a tree without records:
+        assume so)."""
+        split = self.split(tp)
+        return split is None or bool((split.node_scale < tp).any() or (split.param_ratio < 1).any())
+
     def split(self, tp: int) -> TensorSplit | None:
         """The layers split ``tp`` ways by the swap-in's rule (None: everything divides by ``tp``)."""
         if tp not in self._splits:

@@ -97,13 +97,6 @@ class LayerSeq:
     def __len__(self) -> int:
         return len(self.roots)
 
-    def splits(self, tp: int) -> bool:
-        """Whether the runtime's swap-in would split anything ``tp`` ways (unknown: assume so)."""
-        if tp == 1 or not self.tree.tp_degrees:
-            return True
-        return tp in self.tree.tp_degrees and any(
-            n.tp_split[tp].split for n in self.tree.nodes() if tp in n.tp_split)
-
     def tensor_split(self, tp: int) -> TensorSplit | None:
         """What a ``tp``-way split leaves to each rank, from the tree's `SplitShare` records;
         None for a tree without them (the cost model then divides everything by ``tp``)."""

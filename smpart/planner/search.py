@@ -82,7 +82,7 @@ def plan(
     for strategy in enumerate_strategies(cluster, len(tree), global_batch, tp_degrees=tp_degrees,
                                          max_microbatches=max_microbatches):
         model = models.get(strategy.pp, strategy.tp)
-        if strategy.pp > len(model.layers) or not model.layers.splits(strategy.tp):
+        if strategy.pp > len(model.layers) or not model.splits(strategy.tp):
             continue
         costs = model.strategy(list(strategy.stages), strategy.tp, strategy.microbatch_size,
                                strategy.microbatches)

@@ -15,11 +15,16 @@ the CPU). Shapes may differ from one message to the next: the receiver allocates
 header every time.
 
 Threads, and why order holds. `send` pickles on the caller's thread (so an unpicklable message
-fails there, at once) and enqueues; one sender thread sends the queue in FIFO order, a message's
-parts back to back. A receiver thread per peer receives from that peer only (frame, tail,
-tensors, next frame, ...), so the messages of each (sender, receiver) pair arrive in the order
-they were sent; messages from different peers interleave. A message to one's own rank goes into
-the local inbox by reference, unpickled.
+fails there, at once) and posts the message's parts there too, under one lock, as non-blocking
+``isend`` calls: the frame, the tail, each tensor. Gloo matches the sends and receives of one tag
+between two ranks in the order they were posted, so posting a message's parts back to back
+under the lock keeps the messages of each (sender, receiver) pair in the order `send` was
+called, and no thread hand-off stands between `send` and the wire. A completion thread waits for
+each posted message (keeping its buffers alive until then) and counts it as sent. A receiver
+thread per peer receives from that peer only (frame, tail, tensors, next frame, ...), so the
+messages of each pair arrive in the order they were sent; messages from different peers
+interleave. It hands each message to ``deliver`` (default: this transport's inbox, read by
+`receive`) on its own thread. A message to one's own rank is delivered by reference, unpickled.
 
 Why one receiver thread per peer and not one thread receiving from any source: on gloo (torch
 2.13) a pending any-source receive is woken only by a message. A peer's death does not fail it,
@@ -37,8 +42,8 @@ closing anything: a watchdog thread increments this rank's key in the c10d ``sto
 transport writes ``closed`` there and is no longer watched. Then the rank goes into `lost`,
 `receive` raises `PeerLost` on this and every later call, and `send` to it raises too.
 
-Close, collective: every rank calls `close`. The sender thread sends what is queued, then a
-goodbye frame to every peer not lost; each receiver thread ends on its peer's goodbye or on its
+Close, collective: every rank calls `close`. The completion thread waits for what was posted,
+then a goodbye frame goes to every peer not lost; each receiver thread ends on its peer's goodbye or on its
 peer's death. When threads are still blocked at the deadline (a peer that hangs, or does not
 close), the transport releases them by letting a 1 ms receive time out on each gloo group it
 uses: gloo then closes all that group's connections and every pending wait on them fails. That
@@ -53,8 +58,9 @@ a next message waits without a limit (30 days), because an idle peer is normal; 
 rest of a message once its frame arrived, waits at most ``timeout_s``. A gloo send completes
 only once the receiver has posted the matching receive (the receiver thread posts the next
 frame's receive as soon as it is idle, a tensor's once the frame has arrived), so each tensor
-adds a round trip, and a peer that hangs stalls the sender thread, the sends to other peers
-too, until ``timeout_s`` passes or `close` releases it (the heartbeat has called it lost by then).
+adds half a round trip (the receiver posts all of a message's tensor receives at once), and a
+peer that hangs stalls the completion thread, and so the count of sent messages, until
+``timeout_s`` passes or `close` releases it (the heartbeat has called it lost by then).
 
 NCCL (untested here: no GPU on the machine it was written on). When the data group is NCCL,
 tensors go to the CUDA device that was current when the transport was made before sending, and
@@ -62,8 +68,8 @@ are received onto it; each transfer is polled until it completed on the GPU (bou
 ``timeout_s``, stopped by `close`), so a delivered message is complete. NCCL send and recv
 issued concurrently from two threads on one communicator can deadlock; the remedy is one group
 per ordered pair: pass ``data_groups={(src, dst): group}`` (for example from `pair_groups`) and
-each direction of each pair uses its own communicator, so the sender thread of ``src`` and the
-receiver thread of ``dst`` are its only users.
+each direction of each pair uses its own communicator, so the sends of ``src`` (posted under
+one lock) and the receiver thread of ``dst`` are its only users.
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -154,6 +160,13 @@ def _abort_open_transports() -> None:
         transport.abort()
 
 
+def _undeliverable_error(peer: int, error: BaseException) -> SmpartError:
+    err = SmpartError(f"a message from rank {peer} arrived but could not be unpickled here ({error}); "
+                      "are both ranks running the same code?")
+    err.__cause__ = error
+    return err
+
+
 def _default_store() -> Any:
     try:
         return dist.distributed_c10d._get_default_store()
@@ -173,7 +186,9 @@ class ProcessTransport:
     ``heartbeat_s`` (0: none); a peer silent for ``lost_after_s`` is lost, one never heard from
     after ``max(timeout_s, lost_after_s)``. ``timeout_s`` bounds a send and the rest of a message
     once its first frame arrived. Heartbeat keys are numbered by transport: make transports in
-    the same order on every rank.
+    the same order on every rank. ``deliver`` (default: the inbox `receive` reads) is called with
+    each message from another rank, on that peer's receiver thread; with one given, `check`
+    raises what `receive` would (a lost peer, a message that could not be unpickled).
 
     ``bytes_sent[(src, dst)]`` counts tensor payload bytes sent, ``messages_sent`` the messages
     sent to other ranks (not those delivered to this rank, nor goodbyes), once fully sent.
@@ -194,6 +209,7 @@ class ProcessTransport:
         store: Any = None,
         data_groups: Mapping[tuple[int, int], Any] | None = None,
         peers: Iterable[int] | None = None,
+        deliver: Callable[[Any], None] | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise SmpartError(f"rank {rank} is not in a world of {world_size} ranks")
@@ -222,7 +238,10 @@ class ProcessTransport:
             )
         self._device = torch.device("cuda", torch.cuda.current_device()) if self._nccl else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._deliver = self._inbox.put if deliver is None else deliver
+        self._undeliverable: SmpartError | None = None
+        self._posted: queue.SimpleQueue = queue.SimpleQueue()  # messages whose sends await completion
+        self._post_lock = threading.Lock()  # a message's parts are posted back to back (order)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closing = False
@@ -231,7 +250,7 @@ class ProcessTransport:
         self._close_deadline = float("inf")
         self._threads: list[threading.Thread] = []
         self._watchdog: threading.Thread | None = None
-        self._start(self._send_loop, f"smpart-send-{rank}")
+        self._start(self._complete_loop, f"smpart-send-{rank}")
         for peer in self._peers:
             self._start(self._receive_loop, f"smpart-receive-{rank}<{peer}", peer)
         store = _default_store() if store is None else store
@@ -242,10 +261,11 @@ class ProcessTransport:
     # -- the interface --------------------------------------------------------------------------
 
     def send(self, place: int, message: Any) -> None:
-        """Queue ``message`` for rank ``place`` (own rank: straight into the inbox, by reference)."""
+        """Send ``message`` to rank ``place`` without waiting for it to arrive (own rank: delivered
+        at once, by reference)."""
         self._check_open()
         if place == self.rank:
-            self._inbox.put(message)
+            self._deliver(message)
             return
         self._check_peer(place)
         try:
@@ -257,7 +277,24 @@ class ProcessTransport:
                 f"cannot send a {type(message).__name__} to rank {place}: it does not pickle ({err}). "
                 "Messages between processes must be picklable: plain data, dataclasses, tensors"
             ) from err
-        self._outbox.put((place, header, tensors, inline))
+        with self._post_lock:
+            self._check_open()
+            self._check_peer(place)
+            if self._released:
+                raise SmpartError(f"the transport of rank {self.rank} was released: nothing more can be sent")
+            try:
+                posted, size = self._post(place, header, tensors)
+            except Exception as err:
+                self._lose(place, f"sending to it failed: {_brief(err)}")
+                raise PeerLost(place, self._why_lost.get(place, "")) from err
+        self._posted.put((place, posted, size + inline))
+
+    def check(self) -> None:
+        """Raise `PeerLost` for the first peer lost, or the error of a message that arrived but could
+        not be unpickled (with ``deliver`` given; `receive` raises these itself)."""
+        self._raise_if_lost()
+        if self._undeliverable is not None:
+            raise self._undeliverable
 
     def receive(self, place: int, timeout: float) -> Any | None:
         """The next message for this rank, or None after ``timeout`` seconds (0: do not wait)."""
@@ -274,10 +311,7 @@ class ProcessTransport:
             if isinstance(item, _Wake):
                 continue
             if isinstance(item, _Undeliverable):
-                raise SmpartError(
-                    f"a message from rank {item.peer} arrived but could not be unpickled here "
-                    f"({item.error}); are both ranks running the same code?"
-                ) from item.error
+                raise _undeliverable_error(item.peer, item.error)
             return item
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -290,7 +324,7 @@ class ProcessTransport:
             return
         self._closing = True
         self._close_deadline = time.monotonic() + timeout_s
-        self._outbox.put(_CLOSE)
+        self._posted.put(_CLOSE)
         workers = [t for t in self._threads if t is not self._watchdog]
         self._join(workers, self._close_deadline)
         if any(t.is_alive() for t in workers):
@@ -313,7 +347,7 @@ class ProcessTransport:
         self._closing = True
         with contextlib.suppress(Exception):  # the groups may be gone already
             self._release_waits()
-        self._outbox.put(_CLOSE)
+        self._posted.put(_CLOSE)
         self._stop.set()
         self._join(self._threads, time.monotonic() + _GRACE_S)
         self._closed = True
@@ -392,40 +426,45 @@ class ProcessTransport:
 
     # -- sending --------------------------------------------------------------------------------
 
-    def _send_loop(self) -> None:
+    def _post(self, place: int, header: bytes, tensors: list[torch.Tensor]) -> tuple[list[tuple], int]:
+        """Post every part of a message to ``place`` (the caller holds ``_post_lock``): for each part
+        its work, group and buffer (kept alive until the work completes), and the tensor bytes."""
+        frame, tail = wire.frame(header)
+        header_group = self._header_group
+        posted = [(dist.isend(frame, dst=place, group=header_group, tag=TAG_FRAME), header_group, frame)]
+        if tail is not None:
+            posted.append((dist.isend(tail, dst=place, group=header_group, tag=TAG_TAIL), header_group, tail))
+        group = self._pair_group(self.rank, place)
+        nccl = id(group) in self._nccl
+        size = 0
+        with torch.cuda.device(self._device) if nccl else contextlib.nullcontext():
+            for tensor in tensors:
+                data = wire.to_wire(tensor, self._device if nccl else torch.device("cpu"))
+                if data.numel():
+                    posted.append((dist.isend(data, dst=place, group=group, tag=TAG_TENSOR), group, data))
+                size += data.numel()
+        return posted, size
+
+    def _complete_loop(self) -> None:
+        """Wait, in posting order, for each posted message to be sent; at close, say goodbye."""
         if self._device is not None:
             torch.cuda.set_device(self._device)
         while True:
-            item = self._outbox.get()
+            item = self._posted.get()
             if item is _CLOSE:
                 break
-            place, header, tensors, inline = item
-            if place in self.lost or self._released:
-                continue
+            place, posted, size = item
             try:
-                self._send_message(place, header, tensors, inline)
+                for work, group, _buffer in posted:
+                    self._wait(work, group)
             except Exception as err:
                 self._lose(place, f"sending to it failed: {_brief(err)}")
+                continue
+            with self._lock:
+                key = (self.rank, place)
+                self.bytes_sent[key] = self.bytes_sent.get(key, 0) + size
+                self.messages_sent += 1
         self._say_goodbye()
-
-    def _send_message(self, place: int, header: bytes, tensors: list[torch.Tensor], inline: int = 0) -> None:
-        frame, tail = wire.frame(header)
-        header_group = self._header_group
-        self._wait(dist.isend(frame, dst=place, group=header_group, tag=TAG_FRAME), header_group)
-        if tail is not None:
-            self._wait(dist.isend(tail, dst=place, group=header_group, tag=TAG_TAIL), header_group)
-        group = self._pair_group(self.rank, place)
-        device = self._device if id(group) in self._nccl else torch.device("cpu")
-        sent = inline  # small tensors travelled inside the header
-        for tensor in tensors:
-            data = wire.to_wire(tensor, device)
-            if data.numel():
-                self._wait(dist.isend(data, dst=place, group=group, tag=TAG_TENSOR), group)
-            sent += data.numel()
-        with self._lock:
-            key = (self.rank, place)
-            self.bytes_sent[key] = self.bytes_sent.get(key, 0) + sent
-            self.messages_sent += 1
 
     def _say_goodbye(self) -> None:
         """A goodbye frame to every peer not lost, sent together, each waited for until close's
@@ -436,7 +475,8 @@ class ProcessTransport:
                 continue
             frame, _ = wire.frame(None)
             try:
-                work = dist.isend(frame, dst=peer, group=self._header_group, tag=TAG_FRAME)
+                with self._post_lock:
+                    work = dist.isend(frame, dst=peer, group=self._header_group, tag=TAG_FRAME)
                 pending.append((peer, frame, work))
             except Exception as err:
                 self._lose(peer, f"saying goodbye to it failed: {_brief(err)}")
@@ -452,25 +492,33 @@ class ProcessTransport:
     def _receive_loop(self, peer: int) -> None:
         if self._device is not None:
             torch.cuda.set_device(self._device)
+        frame = torch.empty(wire.FRAME_BYTES, dtype=torch.uint8)  # reused: its bytes are copied out
         try:
             while True:
-                header = self._receive_header(peer)
+                header = self._receive_header(peer, frame)
                 if header is None:
                     with self._lock:
                         self._gone.add(peer)
                     return
                 specs, body = wire.unpack(header)
-                tensors = [self._receive_tensor(peer, spec) for spec in specs]
+                tensors = self._receive_tensors(peer, specs)
                 try:
-                    self._inbox.put(wire.rebuild(body, tensors))
+                    message = wire.rebuild(body, tensors)
                 except Exception as err:
-                    self._inbox.put(_Undeliverable(peer, err))
+                    self._on_undeliverable(peer, err)
+                    continue
+                self._deliver(message)
         except Exception as err:
             self._lose(peer, f"receiving from it failed: {_brief(err)}")
 
-    def _receive_header(self, peer: int) -> bytes | None:
-        """The next header from ``peer``; None if it said goodbye."""
-        frame = torch.empty(wire.FRAME_BYTES, dtype=torch.uint8)
+    def _on_undeliverable(self, peer: int, err: BaseException) -> None:
+        if self._deliver == self._inbox.put:
+            self._inbox.put(_Undeliverable(peer, err))
+        elif self._undeliverable is None:
+            self._undeliverable = _undeliverable_error(peer, err)
+
+    def _receive_header(self, peer: int, frame: torch.Tensor) -> bytes | None:
+        """The next header from ``peer``, received into ``frame``; None if it said goodbye."""
         work = dist.irecv(frame, src=peer, group=self._header_group, tag=TAG_FRAME)
         self._wait(work, self._header_group, _IDLE_WAIT)
         length = wire.frame_length(frame)
@@ -482,13 +530,15 @@ class ProcessTransport:
             self._wait(dist.irecv(tail, src=peer, group=self._header_group, tag=TAG_TAIL), self._header_group)
         return wire.header_of(frame, tail, length)
 
-    def _receive_tensor(self, peer: int, spec: wire.TensorSpec) -> torch.Tensor:
+    def _receive_tensors(self, peer: int, specs: list[wire.TensorSpec]) -> list[torch.Tensor]:
+        """A message's tensors: every receive posted at once, then waited for in order."""
         group = self._pair_group(peer, self.rank)
         device = self._device if id(group) in self._nccl else None
-        buffer = wire.empty_for(spec, device)
-        if buffer.numel():
-            self._wait(dist.irecv(buffer, src=peer, group=group, tag=TAG_TENSOR), group)
-        return wire.from_wire(buffer, spec)
+        buffers = [wire.empty_for(spec, device) for spec in specs]
+        works = [dist.irecv(b, src=peer, group=group, tag=TAG_TENSOR) for b in buffers if b.numel()]
+        for work in works:
+            self._wait(work, group)
+        return [wire.from_wire(buffer, spec) for buffer, spec in zip(buffers, specs, strict=True)]
 
     # -- closing and heartbeats -----------------------------------------------------------------
 

@@ -30,8 +30,10 @@ import torch
 
 from smpart.errors import SmpartError
 
-FRAME_BYTES = 512
-"""Size of the first header frame; a header longer than ``FRAME_BYTES - 8`` sends a tail."""
+FRAME_BYTES = 4096
+"""Size of the first header frame; a header longer than ``FRAME_BYTES - 8`` sends a tail. Most
+headers fit (a request with its arguments' metadata is ~0.5 KB, a step's result ~2 KB): a tail is a
+second transfer, which waits for the receiver to post it once the frame arrived."""
 
 GOODBYE = -1
 """Length written in a frame that carries no message: the sender will send nothing more."""

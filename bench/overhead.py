@@ -109,12 +109,13 @@ def _round_trip(calls: int, steps: int, hops: bool, width: int, rows: int) -> tu
 
 
 def hop_report(model, x) -> list[str]:
-    """One more step with every send and receive of this process timestamped: per pair of
-    consecutive events, the median gap (send -> received: the hop, wake-up included; received ->
-    sent: the processing in between). Timestamping adds ~1 µs per event."""
+    """One more step with every send and every message a stage server (or a driver) takes timestamped:
+    per pair of consecutive events, the median gap (send -> received: the hop, wake-up included;
+    received -> sent: the processing in between). Timestamping adds ~1 µs per event."""
     transport = current_runtime().transport
     log: list[tuple[float, str]] = []
     send, receive = transport.send, transport.receive
+    handlers = {address: endpoint.handler for address, endpoint in transport.endpoints.items()}
 
     def timed_send(src, address, message):
         log.append((time.perf_counter(), "sent " + type(message).__name__))
@@ -126,11 +127,21 @@ def hop_report(model, x) -> list[str]:
             log.append((time.perf_counter(), "received " + type(message).__name__))
         return message
 
+    def timed_handler(handler):
+        def handle(message):
+            log.append((time.perf_counter(), "received " + type(message).__name__))
+            handler(message)
+        return handle
+
     transport.send, transport.receive = timed_send, timed_receive  # instance attributes: the servers
-    try:                                                            # look them up at every call
+    for address, handler in handlers.items():                       # look them up at every call
+        transport.endpoints[address].handler = timed_handler(handler)
+    try:
         train_step(model, x)
     finally:
         del transport.send, transport.receive
+        for address, handler in handlers.items():
+            transport.endpoints[address].handler = handler
     gaps: dict[tuple[str, str], list[float]] = {}
     for (t0, a), (t1, b) in itertools.pairwise(log):
         gaps.setdefault((a, b), []).append(t1 - t0)

@@ -64,6 +64,11 @@ class Config:
     #: caller gets a handle), so activations cross each cut once per direction, as on a chain.
     #: False: every output crosses back to its caller as data. ``SMPART_HANDLES=0`` sets the default.
     output_handles: bool = field(default_factory=lambda: os.environ.get("SMPART_HANDLES", "1") != "0")
+    #: The transport's speed path: a message for an idle stage server is handled on the thread that
+    #: delivers it, not handed to the server's own thread (`smpart.runtime.transport`). Only speed
+    #: changes. ``SMPART_DIRECT_DISPATCH=0`` sets the default.
+    direct_dispatch: bool = field(
+        default_factory=lambda: os.environ.get("SMPART_DIRECT_DISPATCH", "1") != "0")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -112,8 +117,9 @@ class Config:
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ConfigError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
                               f"got {self.placement_strategy!r}")
-        if not isinstance(self.output_handles, bool):
-            raise ConfigError(f"output_handles must be True or False, got {self.output_handles!r}")
+        for switch in ("output_handles", "direct_dispatch"):
+            if not isinstance(getattr(self, switch), bool):
+                raise ConfigError(f"{switch} must be True or False, got {getattr(self, switch)!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if not isinstance(self.activation_checkpointing, list | tuple) or not all(

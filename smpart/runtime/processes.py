@@ -13,8 +13,9 @@ partitions (on the meta device where it can), sends the `Partition` to every ran
 modules and releases the others' tensors to the meta device.
 
 `RoutedTransport` puts the runtime's ``(place, endpoint)`` addresses on top of the rank-to-rank
-`smpart.distributed.transport.ProcessTransport`: a router thread per rank hands each arriving
-message to the queue of its endpoint; messages between endpoints of one rank never leave it.
+`smpart.distributed.transport.ProcessTransport`: the thread that receives a message from a peer
+puts it straight into the queue of its endpoint; messages between endpoints of one rank never
+leave it.
 """
 
 from __future__ import annotations
@@ -53,18 +54,15 @@ _placements = itertools.count()
 class RoutedTransport(Transport):
     """``(place, endpoint)`` addresses over a rank-to-rank `ProcessTransport` (place = rank)."""
 
-    def __init__(self, inner: ProcessTransport, rank: int) -> None:
-        super().__init__()
-        self.inner = inner
+    def __init__(self, make_inner: Callable[[Callable[[Any], None]], ProcessTransport], rank: int,
+                 direct: bool = False) -> None:
+        super().__init__(direct)
         self.rank = rank
         self._queues: dict[Any, queue.SimpleQueue] = {}
         self._lock = threading.Lock()
-        self._failure: BaseException | None = None
-        self._stopping = False
         self.open((rank, MAIN))
-        self.open((rank, STAGE))
-        self._router = threading.Thread(target=self._route_loop, name=f"smpart-router-{rank}", daemon=True)
-        self._router.start()
+        self.expect((rank, STAGE))  # the stage server is made after: what arrives first waits for it
+        self.inner = make_inner(self._arrived)
 
     @property  # type: ignore[override]
     def bytes_sent(self) -> dict[tuple[int, int], int]:
@@ -104,28 +102,23 @@ class RoutedTransport(Transport):
             return None
 
     def check(self) -> None:
-        if self._failure is not None:
-            raise self._failure
+        self.inner.check()  # a lost peer: every later wait raises it
 
     def shutdown(self) -> None:
-        self._stopping = True
-        self._router.join(5.0)
         self.inner.close()
 
     def _deliver(self, endpoint: Any, message: Any) -> None:
+        served = self.endpoints.get((self.rank, endpoint))
+        if served is not None:
+            served.deliver(message)
+            return
         inbox = self._queues.get(endpoint)
         if inbox is not None:
             inbox.put(message)
 
-    def _route_loop(self) -> None:
-        while not self._stopping:
-            try:
-                item = self.inner.receive(self.rank, POLL_S)
-            except SmpartError as err:  # a lost peer: every later wait raises it
-                self._failure = err
-                return
-            if item is not None:
-                self._deliver(*item)
+    def _arrived(self, item: tuple[Any, Any]) -> None:
+        """A message from another rank, on the inner transport's receiver thread for that rank."""
+        self._deliver(*item)
 
 
 class ProcessRuntime:
@@ -145,9 +138,10 @@ class ProcessRuntime:
         # The tensor-parallel ranks of this stage follow the first one's order of work (`scheduler`).
         shards = [layout.rank_of(self.stage, self.dp_rank, t) for t in range(layout.tp)]
         peers = sorted({*replica, *shards} - {self.rank})
-        inner = ProcessTransport(self.rank, self.setup.world_size, self.setup.transport_group,
-                                 timeout_s=config.timeout_s, peers=peers)
-        self.transport = RoutedTransport(inner, self.rank)
+        self.transport = RoutedTransport(
+            lambda deliver: ProcessTransport(self.rank, self.setup.world_size, self.setup.transport_group,
+                                             timeout_s=config.timeout_s, peers=peers, deliver=deliver),
+            self.rank, direct=config.direct_dispatch)
         self.server = StageServer(self.stage, self.num_stages, self.rank, self.setup.device, self.transport,
                                   self.place_of_stage, rank=self.rank,
                                   tp_followers=shards[1:] if self.tp_rank == 0 else [],

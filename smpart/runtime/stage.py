@@ -1,7 +1,9 @@
 """`StageServer`: one per pipeline stage, serving the requests and gradients sent to it.
 
-A server has one *dispatcher* thread, which receives every message for the stage and turns it
-into state or work, and a pool of *worker* threads that do the work:
+A server has a *dispatcher*, which takes every message for the stage and turns it into state or
+work, and a pool of *worker* threads that do the work. The dispatcher is the handler of the
+stage's `Endpoint`: it runs on the server's own thread, or, on the transport's speed path, on the
+thread that delivered the message; either way one message at a time, in arrival order.
 
 - a `Request` becomes a job that claims the stage's turn (`scheduler`) as the next forward call
   of its micro-batch, runs the module, keeps its outputs for the backward and answers;
@@ -229,7 +231,7 @@ class StageServer:
         #: When the dispatcher last received a message (a rank waiting for a step to end uses it to
         #: tell a long step from a hung one).
         self.last_activity = time.monotonic()
-        #: Called on the dispatcher thread once every micro-batch of a step is released here (the
+        #: Called by the dispatcher once every micro-batch of a step is released here (the
         #: stage's gradients are final): data parallelism starts averaging them then.
         self.on_gradients_final: Callable[[int], None] | None = None
         self._stopping = False
@@ -238,7 +240,7 @@ class StageServer:
             Gradients: self._on_gradients, ForwardDone: self._on_forward_done, Release: self._on_release,
             Abort: self._on_abort, EndStep: self._on_end, Grant: self._on_grant, Fetch: self._on_fetch,
         }
-        transport.open(self.address)
+        self.endpoint = transport.serve(self.address, self._dispatch)
         self.thread = compute_thread(self._dispatch_loop, f"smpart-stage{stage}")
         self.thread.start()
 
@@ -248,7 +250,7 @@ class StageServer:
         self.transport.send(self.place, self.address, Shutdown())
         self.thread.join(timeout_s)
         stuck = self.workers.stop(timeout_s)
-        self.transport.close(self.address)
+        self.transport.unserve(self.address)
         return stuck + ([self.thread.name] if self.thread.is_alive() else [])
 
     def send(self, address: Address, message: Any) -> None:
@@ -262,22 +264,24 @@ class StageServer:
     # ================================================================ the dispatcher
     def _dispatch_loop(self) -> None:
         while not self._stopping:
+            if self.endpoint.serve_one(POLL_S):
+                continue
             try:
-                message = self.transport.receive(self.address, POLL_S)
+                self.transport.check()
             except SmpartError as err:  # the transport failed (a lost rank): fail the running step
-                self._fail_running(err)
-                time.sleep(POLL_S)
-                continue
-            if message is None:
-                continue
-            self.last_activity = time.monotonic()
-            if isinstance(message, Shutdown):
-                self._stopping = True
-                self._abort_running()
-                return
-            if isinstance(message, Armed):
-                self._begin_ready_steps()
-                continue
+                self.endpoint.deliver(_TransportFailed(err))
+
+    def _dispatch(self, message: Any) -> None:
+        if isinstance(message, _TransportFailed):
+            self._fail_running(message.error)
+            return
+        self.last_activity = time.monotonic()
+        if isinstance(message, Shutdown):
+            self._stopping = True
+            self._abort_running()
+        elif isinstance(message, Armed):
+            self._begin_ready_steps()
+        else:
             self._admit(message)
 
     def _admit(self, message: Any) -> None:
@@ -664,6 +668,13 @@ class StageServer:
         what = f"module {module!r} on stage {on}" if on is not None else f"its turn on stage {self.stage}"
         return (f"micro-batch {mb} waited more than {run.timeout_s} s for {what} "
                 f"(a hang, or a module slower than timeout_s)")
+
+
+class _TransportFailed:
+    """Delivered by the server's own thread when the transport failed (a lost rank)."""
+
+    def __init__(self, error: SmpartError) -> None:
+        self.error = error
 
 
 def _describe(message: Any) -> str:

@@ -7,8 +7,22 @@ queue, a socket or a process group.
 - `ThreadTransport`: every place is in this process; one FIFO queue per address, messages
   passed by reference (the receiver detaches and moves tensors itself). Bytes are counted as
   they would cross between processes, so the thread runtime reports the same figures.
-- `smpart.distributed.routing.RoutedTransport`: one place per rank, messages between ranks over
+- `smpart.runtime.processes.RoutedTransport`: one place per rank, messages between ranks over
   ``torch.distributed``; local addresses behave as here.
+
+An address is either *received* (`receive` reads its queue: a driver, a coordinator, a rank's
+main thread) or *served* (`serve`: a stage server's `Endpoint`, whose handler takes each message).
+
+The speed path, one switch (``direct``, from `Config.direct_dispatch`): a message for a served
+endpoint that is idle, with nothing queued, is handled at once on the thread that delivers it (the
+sender's thread on threads, the receiving thread of the peer it came from on processes) instead
+of waiting for the endpoint's own thread to wake up, one thread hand-off less per message.
+Handlers only update state, start work and send (sends never block), so running one on another
+thread is safe; the endpoint's lock still lets one handler run at a time, and a message that
+finds the endpoint busy or with a queue waits its turn, so messages are handled in arrival
+order either way. A handler that sends to an endpoint never runs that endpoint's handler inside
+its own (the message is queued): no handler waits for another, no stack grows. Off, every
+message goes through the queue (`serve_one`).
 """
 
 from __future__ import annotations
@@ -16,7 +30,8 @@ from __future__ import annotations
 import queue
 import threading
 from abc import ABC, abstractmethod
-from collections import defaultdict
+from collections import defaultdict, deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,13 +39,86 @@ import torch.utils._pytree as pytree
 
 from smpart.runtime.messages import Address, Gradients, Request, Response
 
+_handling = threading.local()  # whether this thread is running an endpoint's handler
+
+
+class Endpoint:
+    """A served address: a handler that takes its messages one at a time, in the order they arrive.
+
+    ``deliver`` is called by the transport on whatever thread a message arrives on; the endpoint's
+    own thread calls `serve_one` in a loop. With ``direct`` (the speed path, see the module
+    docstring) a message that finds the endpoint idle and nothing queued is handled in `deliver`.
+    Messages that arrive before a handler is attached wait in the queue.
+    """
+
+    def __init__(self, handler: Callable[[Any], None] | None, direct: bool) -> None:
+        self.handler = handler
+        self.direct = direct
+        self._queue: deque = deque()
+        self._busy = False
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+
+    def deliver(self, message: Any) -> None:
+        with self._lock:
+            here = (self.direct and self.handler is not None and not self._busy and not self._queue
+                    and not getattr(_handling, "on", False))
+            if here:
+                self._busy = True
+            else:
+                self._queue.append(message)
+                self._ready.notify()
+        if here:
+            self._handle(message)
+
+    def serve_one(self, timeout: float) -> bool:
+        """Handle the next queued message (waiting up to ``timeout`` s for one); whether one was."""
+        with self._lock:
+            if not self._ready.wait_for(lambda: self._queue and not self._busy, timeout):
+                return False
+            message = self._queue.popleft()
+            self._busy = True
+        self._handle(message)
+        return True
+
+    def _handle(self, message: Any) -> None:
+        _handling.on = True
+        try:
+            self.handler(message)
+        finally:
+            _handling.on = False
+            with self._lock:
+                self._busy = False
+                if self._queue:
+                    self._ready.notify()
+
 
 class Transport(ABC):
     """Delivers messages between addresses; ``bytes_sent[(src, dst)]`` counts tensor bytes
-    sent from place ``src`` to a different place ``dst``."""
+    sent from place ``src`` to a different place ``dst``. ``direct``: the speed path (above)."""
 
-    def __init__(self) -> None:
+    def __init__(self, direct: bool = False) -> None:
         self.bytes_sent: dict[tuple[int, int], int] = defaultdict(int)
+        self.direct = direct
+        self.endpoints: dict[Address, Endpoint] = {}
+
+    def serve(self, address: Address, handler: Callable[[Any], None]) -> Endpoint:
+        """Make local ``address`` served: ``handler`` takes its messages (see `Endpoint`), those
+        that arrived before too if the address was made ready for it (`expect`)."""
+        endpoint = self.expect(address)
+        endpoint.handler = handler
+        return endpoint
+
+    def expect(self, address: Address) -> Endpoint:
+        """Queue the messages for local ``address`` until it is served."""
+        endpoint = self.endpoints.get(address)
+        if endpoint is None:
+            endpoint = self.endpoints[address] = Endpoint(None, self.direct)
+        return endpoint
+
+    def unserve(self, address: Address) -> None:
+        """Stop serving ``address``; later messages to it are dropped."""
+        self.endpoints.pop(address, None)
 
     @abstractmethod
     def open(self, address: Address) -> None:
@@ -73,10 +161,10 @@ def payload_bytes(message: Any) -> int:
 
 
 class ThreadTransport(Transport):
-    """Threads of one process: one unbounded FIFO queue per address."""
+    """Threads of one process: one unbounded FIFO queue per received address."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, direct: bool = False) -> None:
+        super().__init__(direct)
         self._queues: dict[Address, queue.SimpleQueue] = {}
         self._lock = threading.Lock()
 
@@ -89,14 +177,18 @@ class ThreadTransport(Transport):
             self._queues.pop(address, None)
 
     def send(self, src: int, address: Address, message: Any) -> None:
-        inbox = self._queues.get(address)
-        if inbox is None:
+        endpoint = self.endpoints.get(address)
+        inbox = self._queues.get(address) if endpoint is None else None
+        if endpoint is None and inbox is None:
             return
         if address[0] != src:
             size = payload_bytes(message)
             if size:
                 self.bytes_sent[(src, address[0])] += size
-        inbox.put(message)
+        if endpoint is not None:
+            endpoint.deliver(message)
+        else:
+            inbox.put(message)
 
     def receive(self, address: Address, timeout: float) -> Any | None:
         inbox = self._queues.get(address)

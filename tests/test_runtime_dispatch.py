@@ -1,0 +1,159 @@
+"""The transport's speed path (``Config.direct_dispatch``): on, off, and over processes.
+
+`Endpoint` is where the switch acts: with it on, a message for an idle stage server is handled on
+the thread that delivers it. These tests pin down what must hold either way (one handler at a
+time, each sender's messages in order, nothing lost that arrived early) and run the runtime with
+the switch off, on threads and on processes; the rest of the suite runs it on (the default).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+import smpart
+from examples.models import ZOO
+from smpart.runtime.runtime import current_runtime
+from smpart.runtime.transport import Endpoint
+from tests.launch import run_ranks
+from tests.test_processes import _assert_report, _train_zoo
+from tests.test_runtime import train_and_compare
+
+
+def _serve(endpoint: Endpoint, stop: threading.Event) -> threading.Thread:
+    def loop() -> None:
+        while not stop.is_set():
+            endpoint.serve_one(0.01)
+
+    thread = threading.Thread(target=loop, name="test-endpoint")
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("direct", [True, False])
+def test_an_idle_endpoint_handles_on_the_delivering_thread_only_when_direct(direct):
+    ran_on: list[str] = []
+    endpoint = Endpoint(lambda m: ran_on.append(threading.current_thread().name), direct)
+    stop = threading.Event()
+    server = _serve(endpoint, stop)
+    try:
+        sender = threading.Thread(target=lambda: endpoint.deliver("hello"), name="sender")
+        sender.start()
+        sender.join(5)
+        deadline = time.monotonic() + 5
+        while not ran_on and time.monotonic() < deadline:
+            time.sleep(0.001)
+    finally:
+        stop.set()
+        server.join(5)
+    assert ran_on == ["sender" if direct else "test-endpoint"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("direct", [True, False])
+def test_one_handler_at_a_time_and_each_senders_messages_in_order(direct):
+    senders, count = 4, 400
+    seen: dict[int, list[int]] = {s: [] for s in range(senders)}
+    inside = [0]
+    overlaps = [0]
+
+    def handler(message: tuple[int, int]) -> None:
+        inside[0] += 1
+        if inside[0] > 1:
+            overlaps[0] += 1
+        sender, seq = message
+        seen[sender].append(seq)
+        if seq % 7 == 0:
+            time.sleep(0)  # let other threads in while this one handles
+        inside[0] -= 1
+
+    endpoint = Endpoint(handler, direct)
+    stop = threading.Event()
+    server = _serve(endpoint, stop)
+
+    def send(sender: int) -> None:
+        for seq in range(count):
+            endpoint.deliver((sender, seq))
+
+    threads = [threading.Thread(target=send, args=(s,)) for s in range(senders)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        deadline = time.monotonic() + 10
+        while sum(map(len, seen.values())) < senders * count and time.monotonic() < deadline:
+            time.sleep(0.005)
+    finally:
+        stop.set()
+        server.join(5)
+    assert overlaps[0] == 0
+    assert all(seen[s] == list(range(count)) for s in range(senders))
+
+
+@pytest.mark.timeout(30)
+def test_a_handler_never_runs_another_handler_inside_itself_and_early_messages_wait():
+    order: list[str] = []
+    depth = [0]
+    second = Endpoint(None, direct=True)  # no handler yet: what arrives waits
+
+    def first_handler(message: str) -> None:
+        depth[0] += 1
+        order.append(f"first {message} depth {depth[0]}")
+        second.deliver(message)  # queued, not handled inside this handler
+        depth[0] -= 1
+
+    def second_handler(message: str) -> None:
+        depth[0] += 1
+        order.append(f"second {message} depth {depth[0]}")
+        depth[0] -= 1
+
+    first = Endpoint(first_handler, direct=True)
+    first.deliver("a")
+    first.deliver("b")
+    assert order == ["first a depth 1", "first b depth 1"]
+    second.handler = second_handler
+    second.deliver("c")  # two messages queued before it: it waits behind them
+    assert order == ["first a depth 1", "first b depth 1"]
+    while second.serve_one(0.01):
+        pass
+    assert order[2:] == ["second a depth 1", "second b depth 1", "second c depth 1"]
+
+
+# ------------------------------------------------------------------ the runtime with the switch off
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(ZOO))
+def test_threads_train_like_the_unsplit_model_with_the_speed_path_off(name):
+    train_and_compare(ZOO[name], 3, 2, "1f1b", steps=2, direct_dispatch=False)
+    assert current_runtime().transport.direct is False
+
+
+@pytest.mark.timeout(120)
+def test_a_run_follows_the_schedule_with_the_speed_path_off():
+    from tests.test_runtime_schedule import test_a_real_run_starts_its_actions_in_the_schedules_order as check
+
+    os.environ["SMPART_DIRECT_DISPATCH"] = "0"
+    try:
+        check("1f1b", 4)
+    finally:
+        del os.environ["SMPART_DIRECT_DISPATCH"]
+
+
+def _train_zoo_without_the_speed_path(rank, configs):
+    os.environ["SMPART_DIRECT_DISPATCH"] = "0"
+    return _train_zoo(rank, configs, steps=2)
+
+
+@pytest.mark.timeout(300)
+def test_processes_train_like_the_unsplit_model_with_the_speed_path_off():
+    configs = [("gpt2", 2, "1f1b"), ("moe", 2, "gpipe"), ("t5", 4, "1f1b")]
+    _assert_report(run_ranks(_train_zoo_without_the_speed_path, 2, configs, timeout_s=280))
+
+
+def test_the_switch_is_validated():
+    with pytest.raises(smpart.SmpartError, match="direct_dispatch must be True or False"):
+        smpart.init(pipeline_parallel_degree=1, direct_dispatch="yes")

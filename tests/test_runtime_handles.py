@@ -131,3 +131,65 @@ def test_a_handle_answers_metadata_without_its_data_and_refuses_use_outside_a_st
     assert "HandleRef" in repr(handle)
     with pytest.raises(SmpartError, match="outside the step"):
         handle + 1
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, width, dtype=torch.float64))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class _PingPong(torch.nn.Module):
+    """The root (stage 0) computes with each output of a stage-1 module: every output is used
+    where it is not held."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.local, self.remote = _Scale(width), _Scale(width)
+
+    def forward(self, x):
+        for _ in range(3):
+            x = self.local(self.remote(x)).tanh()
+        return x
+
+
+@smpart.step
+def _ping_pong_step(model, x):
+    loss = model(x).square().sum()
+    model.backward(loss)
+    return loss
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("width", "fetches"), [(8, 0), (512, 3 * MICROBATCHES)])
+def test_a_small_output_comes_with_its_handle_and_needs_no_fetch(width, fetches):
+    # 2 rows x 8 float64 = 128 B per output: under SMALL_BYTES; 2 x 512 x 8 = 8 KiB: over it.
+    from smpart.runtime.messages import Fetch
+    from smpart.runtime.runtime import current_runtime
+
+    reference = _PingPong(width)
+    smpart.init(pipeline_parallel_degree=2, microbatches=MICROBATCHES, pin={"": 0, "local": 0, "remote": 1})
+    try:
+        model = smpart.DistributedModel(copy.deepcopy(reference))
+        x = torch.randn(2 * MICROBATCHES, width, dtype=torch.float64)
+        _ping_pong_step(model, x)  # placed
+        model.zero_grad()
+        transport = current_runtime().transport
+        sent: list[str] = []
+        send = transport.send
+        transport.send = lambda src, address, message: (sent.append(type(message).__name__),
+                                                        send(src, address, message))[1]
+        try:
+            loss = _ping_pong_step(model, x).reduce_mean()
+        finally:
+            del transport.send
+        assert sent.count(Fetch.__name__) == fetches
+        losses = [reference(part).square().sum() for part in x.chunk(MICROBATCHES)]
+        (sum(losses) / MICROBATCHES).backward()
+        assert abs(loss.item() - (sum(losses) / MICROBATCHES).item()) <= TOL
+        assert_same_grads(model, reference)
+    finally:
+        smpart.shutdown()

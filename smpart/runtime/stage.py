@@ -326,7 +326,7 @@ class StageServer:
         mb = message.microbatch
         claim = Claim(Action(FORWARD, mb), NEW, run.requests[mb])
         run.requests[mb] += 1
-        self.workers.submit(lambda: self._serve_call(run, message, claim))
+        self.transport.start(lambda: self._serve_call(run, message, claim), self.workers.submit)
 
     def _on_response(self, message: Response) -> None:
         run = self._live(message)
@@ -537,9 +537,11 @@ class StageServer:
         remote = not self.transport.local(callee[0])
         (sent_args, sent_kwargs), originals = (carried.pack_call((args, kwargs)) if remote
                                                else ((args, kwargs), []))
-        self.send(callee, Request(run.step, mb, call_id, self.address, model, module, sent_args, sent_kwargs,
-                                  ambient, forwarded, grad_mask(kept, forwarded), bool(originals), refs,
-                                  run.handles))
+        request = Request(run.step, mb, call_id, self.address, model, module, sent_args, sent_kwargs, ambient,
+                          forwarded, grad_mask(kept, forwarded), bool(originals), refs, run.handles)
+        job = self.transport.lend(lambda: self.send(callee, request))
+        if job is not None:  # the callee's stage is in this process and took it at once: run it here
+            job()
         try:
             response = waiter.wait(run.timeout_s, lambda: self._describe_wait(run, module, mb, stage),
                                    lambda: self._check(run))

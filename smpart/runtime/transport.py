@@ -23,6 +23,12 @@ finds the endpoint busy or with a queue waits its turn, so messages are handled 
 order either way. A handler that sends to an endpoint never runs that endpoint's handler inside
 its own (the message is queued): no handler waits for another, no stack grows. Off, every
 message goes through the queue (`serve_one`).
+
+The same switch lends a waiting thread (`Transport.lend`): a stage that calls a module on another
+stage of this process is about to block until the answer comes. If its request is handled at once
+on its own thread (above), the job the request starts (running the module) is handed back to it
+and it runs the job itself, instead of a worker thread waking up to run it while it sleeps: one
+call, no thread hand-off. The job is exactly what a worker would have run, so nothing else changes.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from smpart.runtime.handles import HandleRef
 from smpart.runtime.messages import Address, Gradients, Request, Response
 
 _handling = threading.local()  # whether this thread is running an endpoint's handler
+_lent = threading.local()  # the job slot of a thread lent to the message it is sending
 
 
 class Endpoint:
@@ -120,6 +127,28 @@ class Transport(ABC):
     def unserve(self, address: Address) -> None:
         """Stop serving ``address``; later messages to it are dropped."""
         self.endpoints.pop(address, None)
+
+    def lend(self, send: Callable[[], None]) -> Callable[[], None] | None:
+        """Call ``send``, offering this thread to the job its message starts when the message is
+        handled at once, here; return that job (the caller runs it), or None."""
+        if not self.direct:
+            send()
+            return None
+        _lent.slot = slot = []
+        try:
+            send()
+        finally:
+            _lent.slot = None
+        return slot[0] if slot else None
+
+    @staticmethod
+    def start(job: Callable[[], None], submit: Callable[[Callable[[], None]], None]) -> None:
+        """From a handler: give ``job`` to the thread lent by the message's sender, or ``submit`` it."""
+        slot = getattr(_lent, "slot", None)
+        if slot is not None and not slot and getattr(_handling, "on", False):
+            slot.append(job)
+        else:
+            submit(job)
 
     @abstractmethod
     def open(self, address: Address) -> None:

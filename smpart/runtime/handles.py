@@ -169,7 +169,17 @@ class Handle(torch.Tensor):
 
 
 def materialise_all(value: Any) -> Any:
-    """``value`` with every `Handle` in it replaced by its data."""
+    """``value`` with every `Handle` in it replaced by its data (every torch operation on a handle
+    comes here: plain tuples, lists and dicts are walked directly, the rest by pytree)."""
+    kind = type(value)
+    if kind is Handle:
+        return value.value()
+    if kind is tuple or kind is list:
+        return kind(materialise_all(v) for v in value)
+    if kind is dict:
+        return {k: materialise_all(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor | int | float | str | type(None)):
+        return value
     return pytree.tree_map(lambda v: v.value() if type(v) is Handle else v, value)
 
 

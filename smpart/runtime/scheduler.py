@@ -65,10 +65,11 @@ class Claim:
         self.arrival = 0
         self.granted = False
         self.cancelled = False
-        self._event = threading.Event()
+        self._event: threading.Event | None = None  # made only if the claim has to wait
 
-    def _wake(self) -> None:
-        self._event.set()
+    def _wake(self) -> None:  # with the scheduler's lock held
+        if self._event is not None:
+            self._event.set()
 
 
 class StageScheduler:
@@ -136,6 +137,8 @@ class StageScheduler:
             claim.arrival = self._arrivals
             self._waiting.append(claim)
             self._grant()
+            if not claim.granted:
+                claim._event = threading.Event()
         deadline = time.monotonic() + timeout_s
         while not claim.granted:
             if claim.cancelled:
@@ -148,7 +151,7 @@ class StageScheduler:
                         self._waiting.remove(claim)
                         raise TimedOut(what())
                 break
-            claim._event.wait(0.05)
+            claim._event.wait(0.05)  # type: ignore[union-attr]
         if claim.cancelled:
             self.release(claim)
             raise Cancelled()

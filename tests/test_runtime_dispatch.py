@@ -159,6 +159,7 @@ def test_a_run_follows_the_schedule_with_the_speed_path_off():
 
 def _train_zoo_without_the_speed_path(rank, configs):
     os.environ["SMPART_DIRECT_DISPATCH"] = "0"
+    assert smpart.Config().direct_dispatch is False  # what each smpart.init in _train_zoo gets
     return _train_zoo(rank, configs, steps=2)
 
 

@@ -193,3 +193,28 @@ def test_a_small_output_comes_with_its_handle_and_needs_no_fetch(width, fetches)
         assert_same_grads(model, reference)
     finally:
         smpart.shutdown()
+
+
+class _TwiceRemote(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.remote = _Scale(width)
+
+    def forward(self, x):
+        return self.remote(self.remote(x))
+
+
+@pytest.mark.timeout(60)
+def test_a_small_handle_passed_back_to_its_owner_does_not_carry_its_data_again():
+    width, rows = 8, 2  # 2 x 8 float64 = 128 B per micro-batch and tensor
+    smpart.init(pipeline_parallel_degree=2, microbatches=MICROBATCHES, pin={"": 0, "remote": 1})
+    try:
+        model = smpart.DistributedModel(_TwiceRemote(width))
+        out = _ping_pong_step(model, torch.randn(rows * MICROBATCHES, width, dtype=torch.float64))
+        size = rows * width * 8 * MICROBATCHES
+        # 0 -> 1: the input, then the loss gradient; the first call's output goes back as a bare
+        # reference. 1 -> 0: both outputs, each with its reference; the step body uses the second
+        # without a fetch (which would send it once more).
+        assert dict(out.timeline.bytes_sent) == {(0, 1): 2 * size, (1, 0): 2 * size}
+    finally:
+        smpart.shutdown()

@@ -79,6 +79,13 @@ class HandleRef:
         self.route = route
         self.data = data
 
+    def without_data(self) -> HandleRef:
+        """This reference without a small tensor's data (going back to its owner, which holds it)."""
+        if self.data is None:
+            return self
+        return HandleRef(self.owner, self.step, self.microbatch, self.call_id, self.index, self.shape,
+                         self.dtype, self.requires_grad, self.route)
+
     @property
     def key(self) -> tuple[Any, int]:
         return (self.call_id, self.index)
@@ -157,15 +164,14 @@ class Handle(torch.Tensor):
                     self._value = value
         return self._value
 
-    def departing(self, materialised_as_data: bool) -> Any:
-        """What crosses when this handle is sent on: its reference, or the data it was materialised
-        to if that was modified in place since (or, ``materialised_as_data``, if it is here at all)."""
+    def departing(self, materialised_as_data: bool, to: Any = None) -> Any:
+        """What crosses when this handle is sent on (to address ``to``): its reference, or the data
+        it was materialised to if that was modified in place since (or, ``materialised_as_data``, if
+        it is here at all). A small tensor's data does not go back to its owner."""
         value = self._value
-        if value is None:
-            return self._ref
-        if materialised_as_data or value._version != self._seen:
+        if value is not None and (materialised_as_data or value._version != self._seen):
             return value
-        return self._ref
+        return self._ref.without_data() if self._ref.owner == to else self._ref
 
 
 def materialise_all(value: Any) -> Any:
@@ -183,7 +189,7 @@ def materialise_all(value: Any) -> Any:
     return pytree.tree_map(lambda v: v.value() if type(v) is Handle else v, value)
 
 
-def departing(value: Any, materialised_as_data: bool = False) -> tuple[Any, bool]:
+def departing(value: Any, materialised_as_data: bool = False, to: Any = None) -> tuple[Any, bool]:
     """``value`` as it crosses: every `Handle` replaced by what `Handle.departing` says, and
     whether any reference is left in it (the receiver then resolves them)."""
     found = False
@@ -192,7 +198,7 @@ def departing(value: Any, materialised_as_data: bool = False) -> tuple[Any, bool
         nonlocal found
         if type(tensor) is not Handle:
             return tensor
-        out = tensor.departing(materialised_as_data)
+        out = tensor.departing(materialised_as_data, to)
         found = found or type(out) is HandleRef
         return out
 

@@ -455,7 +455,7 @@ class StageServer:
             staged = self.modules[(request.model, request.module)].__dict__["forward"]
             with running(frame), ambient.applied():
                 output = staged.run_here(frame, args, kwargs)
-                output, refs = handles.departing(output, materialised_as_data=not request.handles)
+                output, refs = handles.departing(output, not request.handles, request.reply_to)
             what = lambda: f"the output of module {request.module!r} (stage {self.stage})"  # noqa: E731
             kept, forwarded = boundary.depart(output, ambient.grad_enabled, what)
             mask = grad_mask(kept, forwarded)
@@ -526,14 +526,14 @@ class StageServer:
         call_id = new_call_id(self.place)
         ambient = capture()
         what = lambda: f"the arguments of module {module!r} (stage {stage})"  # noqa: E731
-        (args, kwargs), refs = handles.departing((args, kwargs))
+        callee = (self.place_of_stage(stage), STAGE)
+        (args, kwargs), refs = handles.departing((args, kwargs), to=callee)
         kept, forwarded = boundary.depart_call(args, kwargs, ambient.grad_enabled, what)
         if kept is not None:
             run.sent[mb][call_id] = (module, kept)
         waiter = Waiter()
         run.waiting[call_id] = waiter
         self._step_out(frame)
-        callee = (self.place_of_stage(stage), STAGE)
         remote = not self.transport.local(callee[0])
         (sent_args, sent_kwargs), originals = (carried.pack_call((args, kwargs)) if remote
                                                else ((args, kwargs), []))

@@ -69,6 +69,11 @@ class Config:
     #: changes. ``SMPART_DIRECT_DISPATCH=0`` sets the default.
     direct_dispatch: bool = field(
         default_factory=lambda: os.environ.get("SMPART_DIRECT_DISPATCH", "1") != "0")
+    #: A stage calling another stage's module goes on without waiting for the answer when it can
+    #: predict it (`smpart.runtime.promises`); needs ``output_handles``. Only speed changes, unless a
+    #: module's output shapes depend on its data (then one step fails, naming it).
+    #: ``SMPART_PROMISES=0`` sets the default.
+    promised_calls: bool = field(default_factory=lambda: os.environ.get("SMPART_PROMISES", "1") != "0")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -117,7 +122,7 @@ class Config:
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ConfigError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
                               f"got {self.placement_strategy!r}")
-        for switch in ("output_handles", "direct_dispatch"):
+        for switch in ("output_handles", "direct_dispatch", "promised_calls"):
             if not isinstance(getattr(self, switch), bool):
                 raise ConfigError(f"{switch} must be True or False, got {getattr(self, switch)!r}")
         if self.backend not in BACKENDS:

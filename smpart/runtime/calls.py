@@ -47,6 +47,10 @@ class Frame:
 
     ``run``, ``claim`` and ``since`` belong to stage frames: the stage's per-step state, the claim
     holding the stage's turn (None: not held) and when the current timeline span started.
+    ``promised``: the frame of a requested call, which may promise calls (`promises`): their
+    module names, stages and confirmation waiters, settled before it answers (None: it may not);
+    ``token`` names the frame in its promised requests, and ``outgoing`` holds those not sent yet:
+    ``(callee address, [requests])``.
     """
 
     endpoint: Endpoint
@@ -55,6 +59,9 @@ class Frame:
     run: Any = None
     claim: Any = None
     since: float = 0.0
+    promised: list | None = None
+    token: Any = None
+    outgoing: tuple[Any, list] | None = None
 
     @property
     def stage(self) -> int | None:
@@ -103,6 +110,8 @@ class StagedForward:
             return self.run_here(None, args, kwargs)
         if frame.stage != self.stage:
             return frame.endpoint.call(frame, self.stage, self.model, self.name, args, kwargs)
+        if frame.outgoing is not None:  # promised requests wait no longer once work starts here
+            frame.endpoint.flush(frame)
         if frame.claim is None:  # a resumed call, running as glue
             frame.endpoint.enter_compute(frame)
         return self.run_here(frame, args, kwargs)

@@ -155,7 +155,8 @@ class Driver:
             return handles.arrive_fetched(ref.data, ref, None, self.outbox.post)
         run = self.run
         fetch_id = new_call_id(run.place)
-        run.send(ref.owner, Fetch(run.step, ref.microbatch, fetch_id, self.address, ref.call_id, ref.index))
+        run.send(ref.owner, Fetch(run.step, ref.microbatch, fetch_id, self.address, ref.call_id, ref.index,
+                                  ref.promised))
         message = self._response(fetch_id, f"a tensor held at {ref.owner}")
         return handles.arrive_fetched(message.output, ref, None, self.outbox.post)
 

@@ -60,14 +60,15 @@ SMALL_BYTES = 1024
 class HandleRef:
     """Names tensor ``index`` of the output of call ``call_id``, held by ``owner`` (an address)
     for ``microbatch`` of ``step``; ``route`` is where a fetched copy posts its gradient; ``data``:
-    the tensor's data (detached) when it is small, else None."""
+    the tensor's data (detached) when it is small, else None; ``promised``: made by the caller of a
+    promised call, so the owner may not hold the tensor yet (`promises`)."""
 
     __slots__ = ("owner", "step", "microbatch", "call_id", "index", "shape", "dtype", "requires_grad",
-                 "route", "data")
+                 "route", "data", "promised")
 
     def __init__(self, owner: Any, step: int, microbatch: int, call_id: Any, index: int, shape: tuple,
                  dtype: torch.dtype, requires_grad: bool, route: Route,
-                 data: torch.Tensor | None = None) -> None:
+                 data: torch.Tensor | None = None, promised: bool = False) -> None:
         self.owner = owner
         self.step = step
         self.microbatch = microbatch
@@ -78,13 +79,14 @@ class HandleRef:
         self.requires_grad = requires_grad
         self.route = route
         self.data = data
+        self.promised = promised
 
     def without_data(self) -> HandleRef:
         """This reference without a small tensor's data (going back to its owner, which holds it)."""
         if self.data is None:
             return self
         return HandleRef(self.owner, self.step, self.microbatch, self.call_id, self.index, self.shape,
-                         self.dtype, self.requires_grad, self.route)
+                         self.dtype, self.requires_grad, self.route, None, self.promised)
 
     @property
     def key(self) -> tuple[Any, int]:
@@ -92,7 +94,7 @@ class HandleRef:
 
     def __reduce__(self) -> tuple:
         return (HandleRef, (self.owner, self.step, self.microbatch, self.call_id, self.index, self.shape,
-                            self.dtype, self.requires_grad, self.route, self.data))
+                            self.dtype, self.requires_grad, self.route, self.data, self.promised))
 
     def __repr__(self) -> str:
         return (f"HandleRef(owner={self.owner}, mb={self.microbatch}, call={self.call_id}, "
@@ -163,6 +165,18 @@ class Handle(torch.Tensor):
                     self._seen = value._version
                     self._value = value
         return self._value
+
+    def materialise_with(self, make: Callable[[], torch.Tensor]) -> None:
+        """Set the data from ``make()`` (it came without a fetch), unless it is here already or
+        being fetched: this runs on a dispatcher, which must not wait for the fetch it would answer."""
+        if self._value is None and self._lock.acquire(blocking=False):
+            try:
+                if self._value is None:
+                    value = make()
+                    self._seen = value._version
+                    self._value = value
+            finally:
+                self._lock.release()
 
     def departing(self, materialised_as_data: bool, to: Any = None) -> Any:
         """What crosses when this handle is sent on (to address ``to``): its reference, or the data

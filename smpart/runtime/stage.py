@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from smpart.errors import PipelineError, SmpartError
-from smpart.runtime import boundary, carried, handles
+from smpart.runtime import boundary, carried, handles, promises
 from smpart.runtime.ambient import Ambient, capture
 from smpart.runtime.calls import Frame, as_pipeline_error, running
 from smpart.runtime.gradients import (
@@ -56,6 +56,7 @@ from smpart.runtime.messages import (
     Abort,
     Address,
     Armed,
+    Batch,
     BeginStep,
     EndStep,
     Failed,
@@ -141,6 +142,24 @@ class StageStep:
         #: Outputs answered as handles, per micro-batch: (call id, tensor index) -> tensor.
         self.held: dict[int, dict[tuple[Any, int], torch.Tensor]] = defaultdict(dict)
         self.handles = begin.handles
+        self.promises = begin.promises
+        #: Calls this stage promised: call id -> (model, module).
+        self.promised_calls: dict[Any, tuple[int, str]] = {}
+        #: Promised calls served here whose outputs are not held yet: what waits for them (called
+        #: with None once held, or with the call's error), and the errors of failed calls.
+        self.producing: dict[Any, list[Callable[[BaseException | None], None]]] = defaultdict(list)
+        self.failed_calls: dict[Any, BaseException] = {}
+        #: Per promising frame (its token): promised calls received and not yet answered, and the
+        #: answered ones whose confirmation waits to go with the last one's.
+        self.unanswered: dict[Any, int] = defaultdict(int)
+        self.unconfirmed: dict[Any, dict] = defaultdict(dict)
+        #: (model, module) of the calls whose outputs this stage holds, by call id, and the outputs
+        #: fetched from here: (call id, index).
+        self.held_modules: dict[Any, tuple[int, str]] = {}
+        self.fetched: set[tuple[Any, int]] = set()
+        #: The handles this stage made for its promised calls' outputs, until their confirmation:
+        #: micro-batch -> call id -> index -> handle.
+        self.promised_handles: dict[int, dict[Any, dict[int, handles.Handle]]] = defaultdict(dict)
         self.sent: dict[int, CallRecords] = defaultdict(dict)  # arguments this stage sent
         self.waiting: dict[Any, Waiter] = {}
         self.backlog: dict[int, list[Gradients]] = defaultdict(list)
@@ -218,6 +237,13 @@ class StageServer:
         self.tp_followers = list(tp_followers or [])
         self.tp_follower = tp_follower
         self.modules: dict[tuple[int, str], nn.Module] = {}
+        #: What answers look like, by call signature (`promises`; None: not promisable), and the
+        #: (model, module) whose outputs turned out to depend on their data: never promised.
+        self.templates = promises.Templates()
+        self.unpredictable: set[tuple[int, str]] = set()
+        #: (model, module, output index) -> the place that last fetched such an output from here:
+        #: the confirmation of a promised call from that place brings the data along (`promises`).
+        self.fetched_by: dict[tuple[int, str, int], int] = {}
         self.run: StageStep | None = None
         self.workers = WorkerPool(f"smpart-stage{stage}")
         #: Messages of steps that have not begun here yet (per-pair FIFO does not order messages
@@ -281,6 +307,9 @@ class StageServer:
             self._abort_running()
         elif isinstance(message, Armed):
             self._begin_ready_steps()
+        elif isinstance(message, Batch):
+            for each in message.messages:
+                self._admit(each)
         else:
             self._admit(message)
 
@@ -326,12 +355,26 @@ class StageServer:
         mb = message.microbatch
         claim = Claim(Action(FORWARD, mb), NEW, run.requests[mb])
         run.requests[mb] += 1
+        if message.promised is not None:
+            with run.lock:
+                run.unanswered[message.promised[0]] += 1
         self.transport.start(lambda: self._serve_call(run, message, claim), self.workers.submit)
 
     def _on_response(self, message: Response) -> None:
         run = self._live(message)
-        waiter = run.waiting.pop(message.call_id, None) if run is not None else None
+        if run is None:
+            return
+        if message.call_id in run.promised_calls:  # a confirmation: install the data it brings
+            self._install(run, message.microbatch, message.output or {})
+        for call_id in message.confirms:  # earlier promised calls, confirmed with this one
+            confirmed = run.waiting.pop(call_id, None)
+            if confirmed is not None:
+                confirmed.deliver(Response(run.step, message.microbatch, call_id))
+        waiter = run.waiting.pop(message.call_id, None)
         if waiter is not None:
+            promised = run.promised_calls.get(message.call_id)
+            if promised is not None and isinstance(message.error, promises.UnpredictableOutput):
+                self.unpredictable.add(promised)
             waiter.deliver(message)
 
     def _on_fetch(self, message: Fetch) -> None:
@@ -339,13 +382,45 @@ class StageServer:
         run = self._live(message)
         if run is None:
             return
-        tensor = run.held.get(message.microbatch, {}).get((message.of_call, message.index))
-        error = None
-        if tensor is None:
+        self._when_held(run, message.microbatch, (message.of_call, message.index), message.promised,
+                        lambda error: self._answer_fetch(run, message, error))
+
+    def _answer_fetch(self, run: StageStep, message: Fetch, error: BaseException | None) -> None:
+        tensor = None if error is not None else run.held.get(message.microbatch, {}).get(
+            (message.of_call, message.index))
+        held_module = run.held_modules.get(message.of_call)
+        if tensor is not None and held_module is not None:
+            self.fetched_by[(*held_module, message.index)] = message.reply_to[0]
+            run.fetched.add((message.of_call, message.index))
+        if tensor is None and error is None:
             error = PipelineError(f"stage {self.stage} no longer holds output {message.index} of call "
                                   f"{message.of_call}: a tensor was used after its micro-batch was released",
                                   stage=self.stage, microbatch=message.microbatch, rank=self.rank)
-        self.send(message.reply_to, Response(run.step, message.microbatch, message.call_id, tensor, error))
+        if not run.aborted:
+            answer = Response(run.step, message.microbatch, message.call_id, tensor, error)
+            self.send(message.reply_to, answer)
+
+    def _when_held(self, run: StageStep, mb: int, key: tuple[Any, int], promised: bool,
+                   then: Callable[[BaseException | None], None]) -> None:
+        """Call ``then(None)`` once this stage holds output ``key`` of ``mb`` (at once if it does, or
+        if it never will: a reference not ``promised``, a released micro-batch), ``then(error)`` if
+        the promised call making it failed."""
+        with run.lock:
+            error = run.failed_calls.get(key[0])
+            if (error is None and promised and key not in run.held.get(mb, {})
+                    and mb not in run.released):
+                run.producing[key[0]].append(then)
+                return
+        then(error)
+
+    def _produced(self, run: StageStep, call_id: Any, error: BaseException | None) -> None:
+        """A promised call's outputs are held (or it failed): run what waits for them."""
+        with run.lock:
+            if error is not None:
+                run.failed_calls[call_id] = error
+            waiting = run.producing.pop(call_id, [])
+        for then in waiting:
+            then(error)
 
     def _on_gradients(self, message: Gradients) -> None:
         run = self._live(message)
@@ -382,6 +457,7 @@ class StageServer:
             run.served.pop(mb, None)
             run.sent.pop(mb, None)
             run.held.pop(mb, None)
+            run.promised_handles.pop(mb, None)
             run.scheduler.microbatch_over(mb)
             if len(run.released) == run.microbatches and self.on_gradients_final is not None:
                 self.on_gradients_final(run.step)
@@ -428,16 +504,17 @@ class StageServer:
         """Run a requested module call and answer it."""
         mb = request.microbatch
         try:
+            fetched = self._await_promised(run, request) if request.refs else {}
             run.scheduler.acquire(claim, run.timeout_s, lambda: self._describe_wait(run, request.module, mb),
                                   self.transport.check)
         except Cancelled:
             return
         except (TimedOut, SmpartError) as err:
-            self._answer(run, request, error=PipelineError(str(err), stage=self.stage, module=request.module,
-                                                           microbatch=mb, rank=self.rank))
+            self._answer(run, request, error=err if isinstance(err, PipelineError) else PipelineError(
+                str(err), stage=self.stage, module=request.module, microbatch=mb, rank=self.rank))
             return
         self._announce(run, claim)
-        frame = Frame(self, run.step, mb, run=run, claim=claim, since=time.time())
+        frame = Frame(self, run.step, mb, run=run, claim=claim, since=time.time(), promised=[])
         output, error, forwarded, mask, snapshots, refs = None, None, {}, (), [], False
         ambient: Ambient = request.ambient
         try:
@@ -451,17 +528,25 @@ class StageServer:
             args, kwargs = boundary.arrive_call(received_args, received_kwargs, self.device,
                                                 route if ambient.grad_enabled else None, run.outbox.post)
             if request.refs:
-                args, kwargs = self._resolve(run, mb, (args, kwargs))
+                args, kwargs = self._resolve(run, mb, (args, kwargs), fetched)
             staged = self.modules[(request.model, request.module)].__dict__["forward"]
             with running(frame), ambient.applied():
                 output = staged.run_here(frame, args, kwargs)
+                if frame.promised:
+                    self._settle(frame)
                 output, refs = handles.departing(output, not request.handles, request.reply_to)
+            if request.promised is not None:
+                promises.check(output, ambient.grad_enabled, request.promised[1], request.module, self.stage,
+                               mb, self.rank)
             what = lambda: f"the output of module {request.module!r} (stage {self.stage})"  # noqa: E731
             kept, forwarded = boundary.depart(output, ambient.grad_enabled, what)
+            if request.promised is not None and forwarded:  # the caller made routes to here: relay
+                kept, forwarded = promises.keep_forwarded(output, kept, forwarded), {}
             mask = grad_mask(kept, forwarded)
             if kept is not None:
                 run.served[mb][request.call_id] = (request.module, kept)
             if request.handles:  # the output stays here; the caller gets references
+                run.held_modules[request.call_id] = (request.model, request.module)
                 output = handles.hold(output, self.address, run.step, mb, request.call_id, run.held[mb], mask,
                                       forwarded)
                 forwarded, mask, refs = {}, (), True
@@ -479,15 +564,91 @@ class StageServer:
     def _answer(self, run: StageStep, request: Request, output: Any = None,
                 error: BaseException | None = None, forwarded: dict | None = None,
                 mask: tuple[int, ...] = (), snapshots: list | None = None, refs: bool = False) -> None:
+        """Answer a call; a promised one with a bare confirmation (its outputs are held already),
+        which waits to go with the next one while its frame has promised calls unanswered here."""
+        confirms: tuple = ()
+        if request.promised is not None:
+            self._produced(run, request.call_id, error)
+            output, forwarded, mask, snapshots, refs = None, None, (), None, False
+            token = request.promised[0]
+            data = self._wanted_data(run, request) if error is None else None
+            with run.lock:
+                run.unanswered[token] -= 1
+                waiting = run.unconfirmed[token]
+                if data:
+                    waiting[request.call_id] = data
+                if error is None and run.unanswered[token] > 0:
+                    waiting.setdefault(request.call_id, None)
+                    return
+                del run.unconfirmed[token]
+            output = {call_id: data for call_id, data in waiting.items() if data}
+            confirms = tuple(call_id for call_id in waiting if call_id != request.call_id)
         if not run.aborted:
             self.send(request.reply_to, Response(run.step, request.microbatch, request.call_id, output, error,
-                                                 forwarded or {}, mask, snapshots or [], refs))
+                                                 forwarded or {}, mask, snapshots or [], refs, confirms))
 
-    def _resolve(self, run: StageStep, mb: int, value: Any) -> Any:
-        """``value`` with its handle references resolved: the tensors this stage holds, `Handle`s for
-        the others' (see `handles`)."""
-        return handles.resolve(value, lambda ref: self._held(run, ref),
-                               lambda ref: handles.Handle(ref, self.device), self.address)
+    def _wanted_data(self, run: StageStep, request: Request) -> dict[int, torch.Tensor]:
+        """The outputs of a promised call whose like the caller's place fetched before, by index
+        (not those fetched already)."""
+        held = run.held.get(request.microbatch, {})
+        place = request.reply_to[0]
+        return {key[1]: tensor for key, tensor in list(held.items()) if key[0] == request.call_id
+                and key not in run.fetched
+                and self.fetched_by.get((request.model, request.module, key[1])) == place}
+
+    def _install(self, run: StageStep, mb: int, data: dict[Any, dict[int, torch.Tensor]]) -> None:
+        """Materialise the handles of promised outputs whose data came with their confirmation."""
+        for call_id, by_index in data.items():
+            made = run.promised_handles.get(mb, {}).pop(call_id, {})
+            for index, tensor in by_index.items():
+                handle = made.get(index)
+                if handle is not None:
+                    handle.materialise_with(lambda t=tensor, h=handle: handles.arrive_fetched(
+                        t, h._ref, self.device, run.outbox.post))
+
+    def _resolve(self, run: StageStep, mb: int, value: Any, fetched: dict | None = None) -> Any:
+        """``value`` with its handle references resolved: the tensors this stage holds, the data of
+        those ``fetched`` already, `Handle`s for the others' (see `handles`)."""
+        def elsewhere(ref: handles.HandleRef) -> torch.Tensor:
+            data = fetched.get((ref.owner, ref.key)) if fetched else None
+            if data is None:
+                return handles.Handle(ref, self.device)
+            return handles.arrive_fetched(data, ref, self.device, run.outbox.post)
+
+        return handles.resolve(value, lambda ref: self._held(run, ref), elsewhere, self.address)
+
+    def _await_promised(self, run: StageStep, request: Request) -> dict[tuple, torch.Tensor]:
+        """Before a call takes its turn: wait until this stage holds the promised tensors it is
+        passed, and fetch those held elsewhere (see `promises`); returns the fetched data."""
+        refs = [ref for ref in promises.references((request.args, request.kwargs)) if ref.promised]
+        what = lambda: (f"micro-batch {request.microbatch} waited more than {run.timeout_s} s for the "  # noqa: E731
+                        f"arguments of module {request.module!r} (stage {self.stage}; a hang)")
+        for ref in refs:
+            if ref.owner == self.address:
+                waiter = Waiter()
+                self._when_held(run, ref.microbatch, ref.key, True,
+                                lambda error, w=waiter: w.deliver(Response(run.step, 0, None, None, error)))
+                response = waiter.wait(run.timeout_s, what, lambda: self._check(run))
+                if response.error is not None:
+                    raise response.error
+        pending = []
+        for ref in {(ref.owner, ref.key): ref for ref in refs if ref.owner != self.address}.values():
+            fetch_id = new_call_id(self.place)
+            pending.append((ref, self._request_fetch(run, ref, fetch_id)))
+        fetched = {}
+        for ref, waiter in pending:
+            response = waiter.wait(run.timeout_s, what, lambda: self._check(run))
+            if response.error is not None:
+                raise response.error
+            fetched[(ref.owner, ref.key)] = response.output
+        return fetched
+
+    def _request_fetch(self, run: StageStep, ref: handles.HandleRef, fetch_id: Any) -> Waiter:
+        waiter = Waiter()
+        run.waiting[fetch_id] = waiter
+        self.send(ref.owner, Fetch(run.step, ref.microbatch, fetch_id, self.address, ref.call_id, ref.index,
+                                   ref.promised))
+        return waiter
 
     def _held(self, run: StageStep, ref: handles.HandleRef) -> torch.Tensor:
         tensor = run.held.get(ref.microbatch, {}).get(ref.key) if ref.step == run.step else None
@@ -504,10 +665,11 @@ class StageServer:
             return self._held(run, ref)
         if ref.data is not None:  # small: it came with its reference
             return handles.arrive_fetched(ref.data, ref, self.device, run.outbox.post)
-        fetch_id = new_call_id(self.place)
-        waiter = Waiter()
-        run.waiting[fetch_id] = waiter
-        self.send(ref.owner, Fetch(run.step, ref.microbatch, fetch_id, self.address, ref.call_id, ref.index))
+        if frame.outgoing is not None:
+            self.flush(frame)
+        if ref.promised and frame.promised is not None:  # its owner may still have to compute it
+            self._step_out(frame)
+        waiter = self._request_fetch(run, ref, new_call_id(self.place))
         what = lambda: (f"micro-batch {ref.microbatch} waited more than {run.timeout_s} s for a tensor held "  # noqa: E731
                         f"at {ref.owner} (a hang)")
         try:
@@ -527,18 +689,36 @@ class StageServer:
         ambient = capture()
         what = lambda: f"the arguments of module {module!r} (stage {stage})"  # noqa: E731
         callee = (self.place_of_stage(stage), STAGE)
+        if frame.outgoing is not None and frame.outgoing[0] != callee:
+            self.flush(frame)
         (args, kwargs), refs = handles.departing((args, kwargs), to=callee)
         kept, forwarded = boundary.depart_call(args, kwargs, ambient.grad_enabled, what)
         if kept is not None:
             run.sent[mb][call_id] = (module, kept)
-        waiter = Waiter()
-        run.waiting[call_id] = waiter
-        self._step_out(frame)
         remote = not self.transport.local(callee[0])
         (sent_args, sent_kwargs), originals = (carried.pack_call((args, kwargs)) if remote
                                                else ((args, kwargs), []))
+        key = self._promise_key(frame, model, module, ambient, (args, kwargs), bool(originals))
+        template = self.templates.get(key) if key is not None else None
+        if template is not None and frame.token is None:
+            frame.token = new_call_id(self.place)
         request = Request(run.step, mb, call_id, self.address, model, module, sent_args, sent_kwargs, ambient,
-                          forwarded, grad_mask(kept, forwarded), bool(originals), refs, run.handles)
+                          forwarded, grad_mask(kept, forwarded), bool(originals), refs, run.handles,
+                          (frame.token, template.expected) if template is not None else None)
+        waiter = Waiter()
+        run.waiting[call_id] = waiter
+        if template is not None:  # go on with references made here (see `promises`)
+            run.promised_calls[call_id] = (model, module)
+            frame.promised.append((module, stage, waiter))
+            if frame.outgoing is None:
+                frame.outgoing = (callee, [])
+            frame.outgoing[1].append(request)
+            output = self._resolve(run, mb, promises.promise(template, callee, run.step, mb, call_id,
+                                                                  ambient.grad_enabled))
+            run.promised_handles[mb][call_id] = promises.handles_in(output)
+            return output
+        self.flush(frame)
+        self._step_out(frame)
         job = self.transport.lend(lambda: self.send(callee, request))
         if job is not None:  # the callee's stage is in this process and took it at once: run it here
             job()
@@ -556,7 +736,46 @@ class StageServer:
         restore_requires_grad(output, response.grad_mask)
         route = route if ambient.grad_enabled else None
         output = boundary.arrive(output, self.device, route, run.outbox.post)
-        return self._resolve(run, mb, output) if response.refs else output
+        if not response.refs:
+            return output
+        if key is not None and key not in self.templates:
+            self.templates[key] = promises.template_of(output, callee, ambient.grad_enabled)
+        return self._resolve(run, mb, output)
+
+    def _promise_key(self, frame: Frame, model: int, module: str, ambient: Ambient, value: Any,
+                     carries_state: bool) -> Any:
+        """The key of a call's template (`promises`), or None if this call may not be promised."""
+        run: StageStep = frame.run
+        if not run.promises or frame.promised is None or carries_state:
+            return None
+        if (model, module) in self.unpredictable:
+            return None
+        sig = promises.signature(value)
+        return None if sig is None else (model, module, ambient, sig)
+
+    def flush(self, frame: Frame) -> None:
+        """Send the promised requests ``frame`` holds back, as one message."""
+        if frame.outgoing is None:
+            return
+        (callee, requests), frame.outgoing = frame.outgoing, None
+        self.send(callee, requests[0] if len(requests) == 1 else Batch(requests))
+
+    def _settle(self, frame: Frame) -> None:
+        """Wait (the turn given back) for the confirmations of the calls this frame promised; raise
+        the first error one of them brings."""
+        run: StageStep = frame.run
+        self.flush(frame)
+        self._step_out(frame)
+        promised, frame.promised = frame.promised, []
+        for module, stage, waiter in promised:
+            try:
+                response = waiter.wait(run.timeout_s, lambda m=module, s=stage: self._describe_wait(
+                    run, m, frame.microbatch, s), lambda: self._check(run))
+            except TimedOut as err:
+                raise PipelineError(str(err), stage=stage, module=module, microbatch=frame.microbatch,
+                                    rank=self.rank) from None
+            if response.error is not None:
+                raise response.error
 
     def enter_compute(self, frame: Frame) -> None:
         """A resumed call is about to run a module of this stage: take the turn first."""

@@ -59,6 +59,7 @@ class StepRun:
         # Tensor parallelism answers with data for now: pipeline x tensor parallelism with handles
         # trained wrong in tests/test_checkpoint_layouts.py (not understood yet), so it is kept off.
         self.handles = config.output_handles and config.tensor_parallel_degree == 1
+        self.promises = self.handles and config.promised_calls
         self.aborted = threading.Event()
         self.turn = threading.Condition()
         self.next_turn = 0
@@ -85,7 +86,7 @@ class StepRun:
         self.transport.open(self.address)
         start = time.time()
         self.broadcast(BeginStep(self.step, self.microbatches, self.schedule, self.active_microbatches,
-                                 self.timeout_s, self.address, self.handles))
+                                 self.timeout_s, self.address, self.handles, self.promises))
         threads: list[threading.Thread] = []
         results: list[Any] = [None] * self.microbatches
         failures: list[BaseException] = []

@@ -44,7 +44,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from smpart.runtime.handles import HandleRef
-from smpart.runtime.messages import Address, Gradients, Request, Response
+from smpart.runtime.messages import Address, Batch, Gradients, Request, Response
 
 _handling = threading.local()  # whether this thread is running an endpoint's handler
 _lent = threading.local()  # the job slot of a thread lent to the message it is sending
@@ -185,6 +185,8 @@ def payload_bytes(message: Any) -> int:
         value = message.output
     elif type(message) is Gradients:
         value = [grads for _, _, grads in message.parts]
+    elif type(message) is Batch:
+        return sum(payload_bytes(m) for m in message.messages)
     else:
         return 0
     tensors = [leaf.data if type(leaf) is HandleRef else leaf for leaf in pytree.tree_leaves(value)]

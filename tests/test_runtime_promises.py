@@ -1,0 +1,271 @@
+"""Promised calls (``Config.promised_calls``): a stage calling another stage's module goes on without
+waiting for the answer once it can predict it, and nothing a user sees changes but the speed.
+
+The model is a chain whose root, on stage 0, calls the blocks of stage 1 (and 2) one by one, as
+GPT-2's root calls its blocks. The references are the unsplit model and the same run with the
+switch off.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+import smpart
+from smpart.errors import PipelineError
+from smpart.runtime import stage as stage_module
+from smpart.runtime.messages import Request, Response
+from smpart.runtime.promises import UnpredictableOutput
+from tests.launch import run_ranks, values
+
+WIDTH, BATCH, MICROBATCHES = 64, 8, 2  # an activation of a micro-batch: 2 KiB, above SMALL_BYTES
+
+
+class Block(nn.Module):
+    def __init__(self, delay_s: float = 0.0) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.delay_s = delay_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return x + torch.tanh(self.lin(x))
+
+
+class Chain(nn.Module):
+    """``first`` then ``blocks`` in order, then ``head``, each called by the root."""
+
+    def __init__(self, blocks: int = 4, delay_s: float = 0.0) -> None:
+        super().__init__()
+        self.first = Block()
+        self.blocks = nn.ModuleList([Block(delay_s) for _ in range(blocks)])
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _pins(stages_of_blocks: list[int]) -> dict[str, int]:
+    return {"": 0, "first": 0, "head": 0, **{f"blocks.{i}": s for i, s in enumerate(stages_of_blocks)}}
+
+
+def _step(model, x):
+    loss = model(x).square().mean()
+    model.backward(loss)
+    return loss
+
+
+def _reference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    losses = [model(part).square().mean() for part in x.chunk(MICROBATCHES)]
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    return torch.stack(losses).detach()
+
+
+def _count_requests(monkeypatch) -> Counter:
+    """(stage, promised) -> requests received, counted at every stage server."""
+    seen: Counter = Counter()
+    receive = stage_module.StageServer._on_request
+
+    def counted(self, message: Request) -> None:
+        seen[(self.stage, message.promised is not None)] += 1
+        receive(self, message)
+
+    monkeypatch.setattr(stage_module.StageServer, "_on_request", counted)
+    return seen
+
+
+def _train(model: nn.Module, stages: int, pins: dict, steps: int = 2, **init) -> float:
+    """Train ``model`` split as pinned next to its unsplit copy; the largest parameter difference."""
+    reference = copy.deepcopy(model)
+    smpart.init(pipeline_parallel_degree=stages, microbatches=MICROBATCHES, pipeline="1f1b", timeout_s=60,
+                pin=pins, **init)
+    split = smpart.DistributedModel(model)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(split.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    step = smpart.step(_step)
+    for i in range(steps):
+        x = torch.randn(BATCH, WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        out = step(split, x)
+        expected = _reference(reference, x)
+        assert (out.stack() - expected).abs().max().item() <= 1e-9
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    state = split.state_dict()
+    return max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("promised", [True, False])
+def test_calls_with_a_known_answer_are_promised_and_train_like_the_unsplit_model(monkeypatch, promised):
+    seen = _count_requests(monkeypatch)
+    assert _train(Chain().double(), 2, _pins([1, 1, 1, 1]), steps=3, promised_calls=promised) <= 1e-9
+    calls = 4 * MICROBATCHES * 3  # blocks x micro-batches x steps, all on stage 1
+    assert seen[(1, True)] + seen[(1, False)] == calls
+    if promised:  # the first answer of each block is waited for; later calls may not wait
+        assert 4 <= seen[(1, False)] <= 4 * MICROBATCHES
+    else:
+        assert seen[(1, True)] == 0
+
+
+@pytest.mark.timeout(60)
+def test_the_caller_does_not_wait_between_promised_calls(monkeypatch):
+    """Blocks that take 50 ms each: in the second step, every request of a micro-batch reaches
+    stage 1 before the first answer of that micro-batch reaches stage 0."""
+    events: list[tuple[str, int, int]] = []
+    receive, answer = stage_module.StageServer._on_request, stage_module.StageServer._on_response
+
+    def on_request(self, message: Request) -> None:
+        events.append(("request", message.step, message.microbatch))
+        receive(self, message)
+
+    def on_response(self, message: Response) -> None:
+        events.append(("answer", message.step, message.microbatch))
+        answer(self, message)
+
+    monkeypatch.setattr(stage_module.StageServer, "_on_request", on_request)
+    monkeypatch.setattr(stage_module.StageServer, "_on_response", on_response)
+    assert _train(Chain(delay_s=0.05).double(), 2, _pins([1, 1, 1, 1]), steps=2) <= 1e-9
+    last = max(step for _, step, _ in events)
+    for mb in range(MICROBATCHES):
+        seen = [kind for kind, step, m in events if (step, m) == (last, mb)]
+        assert seen[:4] == ["request"] * 4, (mb, seen)
+
+
+@pytest.mark.timeout(60)
+def test_promised_outputs_travel_between_three_stages_as_on_a_chain(monkeypatch):
+    """Stage 2 gets references to outputs stage 1 may not have computed yet (it fetches them before
+    its turn), and stage 1 gets its own back from stage 2's output."""
+    seen = _count_requests(monkeypatch)
+    assert _train(Chain(blocks=6).double(), 3, _pins([1, 2, 1, 2, 1, 2]), steps=3) <= 1e-9
+    assert seen[(1, True)] > 0 and seen[(2, True)] > 0
+
+
+class Frozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = Block(), Block(), Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x)))
+
+
+@pytest.mark.timeout(60)
+def test_freezing_and_unfreezing_between_steps_keeps_the_gradients_of_the_unsplit_model():
+    """A promised output requires grad whenever it may, so a block frozen after its answers were
+    learned, then unfrozen, still trains like the unsplit model."""
+    model = Frozen().double()
+    reference = copy.deepcopy(model)
+    smpart.init(pipeline_parallel_degree=2, microbatches=MICROBATCHES, timeout_s=30,
+                pin={"": 0, "a": 1, "b": 0, "c": 0})
+    split = smpart.DistributedModel(model)
+    step = smpart.step(_step)
+    x = torch.randn(BATCH, WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    # 'a' gets the input, which does not require grad: whether its output does is up to its weights.
+    for frozen in (True, False, True, False):
+        for m in (model, reference):
+            m.a.requires_grad_(not frozen)
+        split.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        step(split, x)
+        _reference(reference, x)
+        for (name, p), q in zip(split.named_parameters(), reference.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), (frozen, name)
+            assert p.grad is None or torch.allclose(p.grad, q.grad, atol=1e-12), (frozen, name)
+
+
+class Shrink(nn.Module):
+    """Keeps as many rows as the first value says: an output shape that depends on the data."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[: 3 + int(x[0, 0].item() > 0)]
+
+
+class Unpredictable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.shrink, self.c = Block(), Block(), Shrink(), Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.shrink(self.b(self.a(x))))
+
+
+def _batch_with_rows(first: list[float]) -> torch.Tensor:
+    x = torch.randn(BATCH, WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    per = BATCH // MICROBATCHES
+    for mb, value in enumerate(first):
+        x[mb * per, 0] = value
+    return x
+
+
+@pytest.mark.timeout(60)
+def test_an_output_shape_that_depends_on_the_data_fails_one_step_then_calls_wait():
+    model = Unpredictable().double()
+    reference = copy.deepcopy(model)
+    smpart.init(pipeline_parallel_degree=2, microbatches=MICROBATCHES, timeout_s=30,
+                pin={"": 0, "a": 0, "b": 1, "shrink": 1, "c": 1})
+    split = smpart.DistributedModel(model)
+    step = smpart.step(lambda model, x: (model.backward(model(x).square().mean()), None)[1])
+    x = _batch_with_rows([-1.0, 1.0])  # micro-batch 0 keeps 3 rows, micro-batch 1 keeps 4
+    with pytest.raises(UnpredictableOutput, match=r"module 'shrink' on stage 1 returned outputs \[\[4, 64\]"):
+        step(split, x)
+    split.zero_grad()
+    step(split, x)  # 'shrink' is called and waited for from now on
+    for part in x.chunk(MICROBATCHES):
+        (reference(part).square().mean() / MICROBATCHES).backward()
+    for (name, p), q in zip(split.named_parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, atol=1e-12), name
+
+
+class Failing(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x > 1e3).any():
+            raise ValueError("value out of range")
+        return x * 2
+
+
+@pytest.mark.timeout(60)
+def test_an_error_in_a_promised_call_names_where_it_happened_and_the_next_step_runs():
+    model = nn.Sequential(Block(), Block(), Failing(), Block()).double()
+    smpart.init(pipeline_parallel_degree=2, microbatches=MICROBATCHES, timeout_s=30,
+                pin={"": 0, "0": 0, "1": 1, "2": 1, "3": 1})
+    split = smpart.DistributedModel(model)
+    step = smpart.step(_step)
+    bad = _batch_with_rows([0.0, 1e4])  # micro-batch 1's call to '2' is promised, and fails
+    failure = "micro-batch 1 failed on stage 1.*'2'.*value out of range"
+    with pytest.raises(PipelineError, match=failure) as info:
+        step(split, bad)
+    assert (info.value.stage, info.value.module, info.value.microbatch) == (1, "2", 1)
+    good = _batch_with_rows([0.0, 0.0])
+    assert torch.isfinite(step(split, good).stack()).all()
+
+
+def _on_rank(rank: int):
+    torch.manual_seed(0)
+    return _train(Chain(blocks=6).double(), 3, _pins([1, 2, 1, 2, 1, 2]), steps=2)
+
+
+@pytest.mark.timeout(120)
+def test_promised_calls_between_three_processes_train_like_the_unsplit_model():
+    assert all(diff <= 1e-9 for diff in values(run_ranks(_on_rank, 3, timeout_s=110)))
+
+
+def test_the_switch_is_validated():
+    with pytest.raises(smpart.SmpartError, match="promised_calls must be True or False"):
+        smpart.init(pipeline_parallel_degree=1, promised_calls="yes")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_runtime():
+    yield
+    smpart.shutdown()

@@ -151,6 +151,37 @@ def test_promised_outputs_travel_between_three_stages_as_on_a_chain(monkeypatch)
     assert seen[(1, True)] > 0 and seen[(2, True)] > 0
 
 
+@pytest.mark.timeout(60)
+def test_outputs_fetched_before_come_with_the_confirmation(monkeypatch):
+    """The root on stage 0 returns the last block's output, held on stage 1, and the driver computes
+    the loss from it: fetched in the first step, brought along by the confirmation of the promised
+    calls afterwards (no Fetch), and no byte crosses twice."""
+    fetches: Counter = Counter()
+    answer_fetch = stage_module.StageServer._on_fetch
+
+    def on_fetch(self, message) -> None:
+        fetches[message.step] += 1
+        answer_fetch(self, message)
+
+    monkeypatch.setattr(stage_module.StageServer, "_on_fetch", on_fetch)
+    model = nn.Sequential(Block(), Block(), Block()).double()
+    reference = copy.deepcopy(model)
+    smpart.init(pipeline_parallel_degree=2, microbatches=MICROBATCHES, timeout_s=30,
+                pin={"": 0, "0": 0, "1": 1, "2": 1})
+    split = smpart.DistributedModel(model)
+    step = smpart.step(_step)
+    sent = []
+    for i in range(3):
+        x = torch.randn(BATCH, WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        out = step(split, x)
+        sent.append(out.timeline.bytes_sent)
+        assert (out.stack() - _reference(reference, x)).abs().max().item() <= 1e-9
+    assert fetches[0] >= 1 and fetches[2] == 0, fetches
+    # Per micro-batch, each way: an activation, and the gradient of the other way's.
+    activation = BATCH // MICROBATCHES * WIDTH * 8
+    assert sent[2] == {(0, 1): 2 * MICROBATCHES * activation, (1, 0): 2 * MICROBATCHES * activation}
+
+
 class Frozen(nn.Module):
     def __init__(self) -> None:
         super().__init__()

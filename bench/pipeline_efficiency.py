@@ -12,7 +12,13 @@ this script, one intra-op thread each; step times of the driver's rank), alterna
 round so that a change in the machine's load hits both alike. The root module (the loop over the
 blocks) lives on stage 0, as smpart places it.
 
+The activation is 2 rows of ``--width`` float32 per micro-batch: 8 (the default, 64 B) is at most
+`handles.SMALL_BYTES`, so every block's output travels with its reference and the root waits for
+each answer; 256 (2 KiB) is above it, so the root's calls are promised (`promises`) and it does
+not wait between them.
+
     .venv/bin/python bench/pipeline_efficiency.py [--t-ms 5] [--microbatches 16] [--steps 5] [--rounds 2]
+                                                  [--width 8]
 """
 
 from __future__ import annotations
@@ -74,14 +80,14 @@ def train_step(model, x):
 
 
 def measure(schedule: str, stages: int, microbatches: int, seconds: float,
-            steps: int, where: str = "threads") -> tuple[list[float], list[float], str]:
+            steps: int, width: int = 8, where: str = "threads") -> tuple[list[float], list[float], str]:
     """Step times and bubble fractions of ``steps`` steps (after a placing one), and where the
     last step's timeline was saved."""
     smpart.init(pipeline_parallel_degree=stages, microbatches=microbatches, pipeline=schedule,
                 pin={f"blocks.{i}": i for i in range(stages)}, timeout_s=120)
     try:
         model = smpart.DistributedModel(SleepPipeline(stages, seconds))
-        x = torch.randn(microbatches * 2, 8)
+        x = torch.randn(microbatches * 2, width)
         train_step(model, x)  # first step: trace, partition, place
         times, bubbles = [], []
         for _ in range(steps):
@@ -122,6 +128,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of threads and processes")
+    parser.add_argument("--width", type=int, default=8, help="features per activation row (see above)")
     a = parser.parse_args()
     t = a.t_ms / 1e3
     ideal = (a.microbatches + a.stages - 1) * 3 * t
@@ -138,7 +145,7 @@ def main() -> None:
         for _ in range(a.rounds):
             for schedule in ("gpipe", "1f1b"):
                 for where in ("threads", "processes"):
-                    args = (schedule, a.stages, a.microbatches, t, a.steps)
+                    args = (schedule, a.stages, a.microbatches, t, a.steps, a.width)
                     got = measure(*args) if where == "threads" else pool.run(on_rank, *args)[0]
                     old = results.get((where, schedule), ([], [], ""))
                     results[(where, schedule)] = (old[0] + got[0], old[1] + got[1], got[2])

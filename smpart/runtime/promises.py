@@ -16,6 +16,12 @@ call id, ``promised=True``), sends the `Request` with the signature it promised,
 callee runs the call in its turn as usual, checks its outputs against the promise, holds them, and
 sends a bare confirmation (or the error) instead of the answer.
 
+Fewer messages: a frame's promised requests to one stage wait until it next does anything else
+(computes, fetches, calls another stage, settles) and go as one `Batch`, and the callee confirms
+them with one message when the last is done. A confirmation brings the data of outputs like
+those a driver on the caller's rank fetched before (the loss is computed from the last stage's
+output): the driver then needs no fetch. A stage computing with an output fetches it at once.
+
 What keeps the semantics of a waited-for call:
 
 - **Nothing escapes unconfirmed.** The job that made promised calls waits for all of their
@@ -33,9 +39,11 @@ What keeps the semantics of a waited-for call:
   input shapes, makes the callee raise `UnpredictableOutput`; the step fails with it, and the
   caller never promises that module again.
 - Only calls whose template holds nothing but references to large tensors (more than
-  `handles.SMALL_BYTES`) owned by the callee, and ``None``, are promised: a small output, or
-  a Python value, is likely to be looked at (a routing index, a flag), and its value cannot be
-  predicted. Calls carrying state (a key/value cache) are never promised.
+  `handles.SMALL_BYTES`) owned by the callee, and ``None``, are promised: a small output, or a
+  Python value, is likely to be looked at (a routing index, a flag), and a Python value cannot
+  be predicted. A small output's data comes with its answer; promised, it would cost a fetch,
+  and on a chain through several stages (the sleep-kernel pipeline of `bench/`) that made more
+  messages than it saved waiting. Calls carrying state (a key/value cache) are never promised.
 
 Templates outlive the step: a promise does not depend on what can change between steps. A
 promised output requires grad whenever it may (`promise`), so freezing or unfreezing parameters

@@ -241,8 +241,9 @@ class StageServer:
         #: (model, module) whose outputs turned out to depend on their data: never promised.
         self.templates = promises.Templates()
         self.unpredictable: set[tuple[int, str]] = set()
-        #: (model, module, output index) -> the place that last fetched such an output from here:
-        #: the confirmation of a promised call from that place brings the data along (`promises`).
+        #: (model, module, output index) -> the place whose driver last fetched such an output from
+        #: here: the confirmation of a promised call from that place brings the data along (a stage
+        #: that computes with an output fetches it at once, racing the confirmation; see `promises`).
         self.fetched_by: dict[tuple[int, str, int], int] = {}
         self.run: StageStep | None = None
         self.workers = WorkerPool(f"smpart-stage{stage}")
@@ -390,8 +391,9 @@ class StageServer:
             (message.of_call, message.index))
         held_module = run.held_modules.get(message.of_call)
         if tensor is not None and held_module is not None:
-            self.fetched_by[(*held_module, message.index)] = message.reply_to[0]
             run.fetched.add((message.of_call, message.index))
+            if message.reply_to[1] != STAGE:  # a driver: it asks only after the call was confirmed
+                self.fetched_by[(*held_module, message.index)] = message.reply_to[0]
         if tensor is None and error is None:
             error = PipelineError(f"stage {self.stage} no longer holds output {message.index} of call "
                                   f"{message.of_call}: a tensor was used after its micro-batch was released",
@@ -581,7 +583,11 @@ class StageServer:
                     waiting.setdefault(request.call_id, None)
                     return
                 del run.unconfirmed[token]
-            output = {call_id: data for call_id, data in waiting.items() if data}
+            output = {}  # the data of outputs not fetched meanwhile
+            for call_id, data in waiting.items():
+                left = {i: t for i, t in (data or {}).items() if (call_id, i) not in run.fetched}
+                if left:
+                    output[call_id] = left
             confirms = tuple(call_id for call_id in waiting if call_id != request.call_id)
         if not run.aborted:
             self.send(request.reply_to, Response(run.step, request.microbatch, request.call_id, output, error,

@@ -90,6 +90,10 @@ def measure(stages: int, log_messages: bool = True, pin: dict[str, int] | None =
             send, modules = transport.send, {}
 
             def logged_send(src: int, address: Any, message: Any) -> None:
+                if type(message).__name__ == "Batch":  # promised requests sent together
+                    for each in message.messages:
+                        logged_send(src, address, each)
+                    return
                 kind = type(message).__name__
                 call_id = getattr(message, "call_id", None)
                 if kind == "Request":

@@ -6,7 +6,9 @@ stage's `Endpoint`: it runs on the server's own thread, or, on the transport's s
 thread that delivered the message; either way one message at a time, in arrival order.
 
 - a `Request` becomes a job that claims the stage's turn (`scheduler`) as the next forward call
-  of its micro-batch, runs the module, keeps its outputs for the backward and answers;
+  of its micro-batch, runs the module, keeps its outputs for the backward and answers (a promised
+  one, whose caller went on without waiting, with a confirmation: `promises`);
+- a `Batch` is a frame's promised requests, taken in order;
 - a `Response` wakes the call (or the fetch of a handle) that waits for it;
 - a `Fetch` is answered at once with a tensor the stage holds (`handles`);
 - `Gradients` join their micro-batch's backlog, and one backward segment runs for everything
@@ -594,8 +596,8 @@ class StageServer:
                                                  forwarded or {}, mask, snapshots or [], refs, confirms))
 
     def _wanted_data(self, run: StageStep, request: Request) -> dict[int, torch.Tensor]:
-        """The outputs of a promised call whose like the caller's place fetched before, by index
-        (not those fetched already)."""
+        """The outputs of a promised call like those the driver on the caller's rank fetched before,
+        by index (not those fetched already)."""
         held = run.held.get(request.microbatch, {})
         place = request.reply_to[0]
         return {key[1]: tensor for key, tensor in list(held.items()) if key[0] == request.call_id

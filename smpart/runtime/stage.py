@@ -243,10 +243,10 @@ class StageServer:
         #: (model, module) whose outputs turned out to depend on their data: never promised.
         self.templates = promises.Templates()
         self.unpredictable: set[tuple[int, str]] = set()
-        #: (model, module, output index) -> the place whose driver last fetched such an output from
+        #: (model, module) -> output index -> the place whose driver last fetched such an output from
         #: here: the confirmation of a promised call from that place brings the data along (a stage
         #: that computes with an output fetches it at once, racing the confirmation; see `promises`).
-        self.fetched_by: dict[tuple[int, str, int], int] = {}
+        self.fetched_by: dict[tuple[int, str], dict[int, int]] = defaultdict(dict)
         self.run: StageStep | None = None
         self.workers = WorkerPool(f"smpart-stage{stage}")
         #: Messages of steps that have not begun here yet (per-pair FIFO does not order messages
@@ -395,7 +395,7 @@ class StageServer:
         if tensor is not None and held_module is not None:
             run.fetched.add((message.of_call, message.index))
             if message.reply_to[1] != STAGE:  # a driver: it asks only after the call was confirmed
-                self.fetched_by[(*held_module, message.index)] = message.reply_to[0]
+                self.fetched_by[held_module][message.index] = message.reply_to[0]
         if tensor is None and error is None:
             error = PipelineError(f"stage {self.stage} no longer holds output {message.index} of call "
                                   f"{message.of_call}: a tensor was used after its micro-batch was released",
@@ -598,11 +598,12 @@ class StageServer:
     def _wanted_data(self, run: StageStep, request: Request) -> dict[int, torch.Tensor]:
         """The outputs of a promised call like those the driver on the caller's rank fetched before,
         by index (not those fetched already)."""
-        held = run.held.get(request.microbatch, {})
-        place = request.reply_to[0]
-        return {key[1]: tensor for key, tensor in list(held.items()) if key[0] == request.call_id
-                and key not in run.fetched
-                and self.fetched_by.get((request.model, request.module, key[1])) == place}
+        fetched_by = self.fetched_by.get((request.model, request.module))
+        if not fetched_by:
+            return {}
+        held, caller = run.held.get(request.microbatch, {}), request.reply_to[0]
+        wanted = [(request.call_id, index) for index, place in fetched_by.items() if place == caller]
+        return {key[1]: held[key] for key in wanted if key in held and key not in run.fetched}
 
     def _install(self, run: StageStep, mb: int, data: dict[Any, dict[int, torch.Tensor]]) -> None:
         """Materialise the handles of promised outputs whose data came with their confirmation."""

@@ -404,29 +404,31 @@ def checkpointable_tree(saved: int, inputs: int | None, n_layer: int = 4, params
 
 
 def test_a_model_that_fits_only_with_checkpointing_gets_it_on_the_stages_that_need_it():
-    """Each A100 holds one layer's state (40 GB of 72 usable) and a few micro-batches of its 10 GiB
-    of saved activations. 1F1B keeps 4 micro-batches in flight on stage 0, 3 on stage 1...: only
-    stage 0 overflows, and only stage 0 checkpoints (1 GiB of inputs per micro-batch)."""
+    """Each A100 holds one layer's state (40 GB of 77 usable) and 3 micro-batches of its 10 GiB of
+    saved activations. 1F1B (the loss counting as a stage) keeps 5 micro-batches in flight on stage
+    0, 4 on stage 1, 3 on stage 2, capped at the 4 there are: only stages 0 and 1 overflow, and only
+    they checkpoint (1 GiB of inputs per micro-batch)."""
     options = {"tp_degrees": [1], "bytes_per_param": 16.0}
     with pytest.raises(PlanError, match="overflows"):
         plan(checkpointable_tree(10 * GIB, None), homogeneous(1, 4), 4, **options)
     plans = plan(checkpointable_tree(10 * GIB, GIB), homogeneous(1, 4), 4, **options)
     best = plans.best
     assert (best.pp, best.microbatches) == (4, 4)
-    assert best.checkpointed == (True, False, False, False) and best.checkpointed_stages == [0]
-    assert best.activation_checkpointing == ["layer0"]
-    assert best.config.activation_checkpointing == ["layer0"]
+    assert best.checkpointed == (True, True, False, False) and best.checkpointed_stages == [0, 1]
+    assert best.activation_checkpointing == ["layer0", "layer1"]
+    assert best.config.activation_checkpointing == ["layer0", "layer1"]
     assert all(used <= budget for used, budget in best.stage_memory)
     state = 2_500_000_000 * 16
     assert best.stage_memory[0][0] == pytest.approx(state + 4 * GIB)  # 4 micro-batches of inputs
-    assert best.stage_memory[1][0] == pytest.approx(state + 3 * 10 * GIB)
-    # the checkpointed stage pays one more forward: 4 F instead of 3 F
-    assert best.stage_times[0] == pytest.approx(best.stage_times[1] * 4 / 3)
-    assert "checkpointing stage(s) 0" in best.summary()
+    assert best.stage_memory[1][0] == pytest.approx(state + 4 * GIB)
+    assert best.stage_memory[2][0] == pytest.approx(state + 3 * 10 * GIB)
+    # a checkpointed stage pays one more forward: 4 F instead of 3 F
+    assert best.stage_times[0] == pytest.approx(best.stage_times[2] * 4 / 3)
+    assert "checkpointing stage(s) 0-1" in best.summary()
     assert any("only with activation checkpointing" in reason for reason in plans.reasons())
-    assert [s["activation_checkpointing"] for s in best.to_dict()["stages"]] == [True, False, False, False]
+    assert [s["activation_checkpointing"] for s in best.to_dict()["stages"]] == [True, True, False, False]
     partition = best.partition  # costed as checkpointed
-    assert partition.tree.node("layer0").recomputed and not partition.tree.node("layer1").recomputed
+    assert partition.tree.node("layer1").recomputed and not partition.tree.node("layer2").recomputed
 
 
 def test_checkpointing_is_never_chosen_when_the_plain_plan_fits():

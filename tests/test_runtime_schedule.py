@@ -18,7 +18,7 @@ from torch import nn
 
 import smpart
 from smpart.runtime.schedule import FORWARD, Action, schedule_named
-from smpart.runtime.scheduler import NEW, Claim, StageScheduler
+from smpart.runtime.scheduler import NEW, SEGMENT, Claim, StageScheduler
 
 
 @pytest.fixture(autouse=True)
@@ -37,9 +37,12 @@ def test_gpipe_and_1f1b_tables_by_hand():
     assert _names(gpipe.actions(0, 2, 4)) == "F0 F1 F2 F3 B0 B1 B2 B3"
     one_f = schedule_named("interleaved")
     assert one_f.name == "1f1b"
-    assert one_f.describe(2, 4) == "stage 0: F0 F1 B0 F2 B1 F3 B2 B3\nstage 1: F0 B0 F1 B1 F2 B2 F3 B3"
+    # the loss (the step body, on the first stage's rank) counts as a stage: p - s warm-up forwards
+    assert one_f.describe(2, 4) == "stage 0: F0 F1 F2 B0 F3 B1 B2 B3\nstage 1: F0 F1 B0 F2 B1 F3 B2 B3"
     assert _names(one_f.actions(0, 4, 2)) == "F0 F1 B0 B1"  # fewer micro-batches than warm-up
     assert _names(one_f.actions(1, 3, 5, active_microbatches=1)) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4"
+    assert _names(one_f.actions(1, 3, 5, active_microbatches=2)) == "F0 F1 B0 F2 B1 F3 B2 F4 B3 B4"
+    assert _names(one_f.actions(0, 1, 3)) == "F0 B0 F1 B1 F2 B2"  # one stage: no pipeline to feed
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -229,3 +232,45 @@ def test_a_tensor_parallel_follower_grants_its_turn_in_its_leaders_order():
     for thread in threads:
         thread.join(10)
     assert granted == leader_order
+
+
+@pytest.mark.timeout(30)
+def test_a_reserved_call_holds_back_later_actions_until_it_asks_or_withdraws():
+    """Stage 1 of 2 under 1F1B: ``F0 F1 B0 ...``. The second call of F1 waits for the first one's
+    output (a promised chain), so it is reserved, not yet asking; B0's segment, waiting, must not
+    slip in between the two calls. A withdrawn reservation (its call failed) lets B0 go."""
+    scheduler = StageScheduler(schedule_named("1f1b").actions(1, 2, 4))
+    granted: list[str] = []
+
+    def work(claim: Claim) -> threading.Thread:
+        def run() -> None:
+            scheduler.acquire(claim, 10, lambda: "test")
+            granted.append(f"{claim.action}/{claim.seq}")
+            scheduler.release(claim)
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    def settle() -> None:
+        time.sleep(0.1)
+
+    for mb, seq in ((0, 0), (0, 1), (1, 0)):  # F0 made two calls here, as F1 will
+        work(Claim(Action(FORWARD, mb), NEW, seq)).join(10)
+    chained = Claim(Action(FORWARD, 1), NEW, 1)
+    scheduler.reserve(chained)
+    backward = work(Claim(Action("B", 0), SEGMENT))
+    settle()
+    assert granted == ["F0/0", "F0/1", "F1/0"], "B0 waits while a call of F1 is reserved"
+    work(chained).join(10)
+    backward.join(10)
+    assert granted == ["F0/0", "F0/1", "F1/0", "F1/1", "B0/0"]
+
+    failed = Claim(Action(FORWARD, 2), NEW, 2)
+    work(Claim(Action(FORWARD, 2), NEW, 0)).join(10)
+    scheduler.reserve(failed)
+    backward = work(Claim(Action("B", 1), SEGMENT))
+    settle()
+    assert granted[-1] == "F2/0"
+    scheduler.withdraw(failed)
+    backward.join(10)
+    assert granted[-1] == "B1/0"

@@ -31,7 +31,8 @@ AMP's top-down decomposition, generalised to stages whose device groups differ:
   (``2(n−1)/n · bytes / bw``, the slowest link among the stage's nodes); the slowest stage sets
   the time, added once per step.
 * **Memory per device.** parameter state × ``bytes_per_param`` (of split parameters 1/tp) +
-  activations of the micro-batches in flight (interleaved: ``pp − stage``; simple: all ``B``;
+  activations of the micro-batches in flight (interleaved: ``pp − stage + 1``, the loss counting
+  as a stage as in `smpart.runtime.schedule`, one stage alone 1; simple: all ``B``;
   those of split nodes 1/tp) + buffers, against
   ``memory_fraction`` of the device's memory. A micro-batch's activations are the tensors
   autograd saves for its backward, as the trace counted them (`LayerSeq.activation_bytes`), not
@@ -231,7 +232,8 @@ class CostModel:
         replica_memory = []
         for j, stage in enumerate(stages):
             times[j] = self._layer_times(stage, tp, microbatch_size, checkpointed)
-            in_flight = microbatches if self.options.pipeline == "simple" else min(k - j, microbatches)
+            in_flight = (microbatches if self.options.pipeline == "simple"
+                         else min(_interleaved_in_flight(j, k), microbatches))
             replicas = self._replica_memory(stage, tp, microbatch_size, in_flight, checkpointed)
             memory[j] = np.max([row / budget for row, budget in replicas], axis=0)
             replica_memory.append(replicas)
@@ -362,3 +364,9 @@ class CostModel:
             nbytes = params * self.options.grad_bytes_per_param
             out.append(2 * (n - 1) / n * nbytes / self.cluster.slowest_link(stage.nodes))
         return out
+
+
+def _interleaved_in_flight(stage: int, stages: int) -> int:
+    """Micro-batches whose activations stage ``stage`` of ``stages`` holds at once under 1F1B
+    (`smpart.runtime.schedule.one_f_one_b_actions`: the loss counts as one more stage)."""
+    return stages - stage + 1 if stages > 1 else 1

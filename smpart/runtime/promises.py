@@ -196,6 +196,15 @@ def references(value: Any) -> list[HandleRef]:
     return found
 
 
+def waits_on(request: Any, address: Any) -> bool:
+    """Whether ``request`` (a promised call) is passed promised outputs, all held at ``address``:
+    it waits for earlier calls of that stage only (the scheduler reserves its place there)."""
+    if not request.refs:
+        return False
+    owners = {ref.owner for ref in references((request.args, request.kwargs)) if ref.promised}
+    return owners == {address}
+
+
 def handles_in(value: Any) -> dict[int, handles.Handle]:
     """The handles a promised call's resolved output holds, by tensor index."""
     found: dict[int, handles.Handle] = {}

@@ -14,9 +14,16 @@ the micro-batch's forward (or backward) is known to be over everywhere.
 
 - ``gpipe`` (SMP's ``simple``): every micro-batch's forward, then every backward, in order
   (``active_microbatches`` does not apply: every micro-batch is in flight by construction).
-- ``1f1b`` (SMP's ``interleaved``): stage ``s`` of ``p`` starts ``p - 1 - s`` forwards, then
-  alternates one forward and one backward, then finishes the backwards. At most ``p - s``
-  micro-batches keep activations on stage ``s`` at once.
+- ``1f1b`` (SMP's ``interleaved``): stage ``s`` of ``p`` starts ``p - s`` forwards, then
+  alternates one forward and one backward, then finishes the backwards. At most ``p - s + 1``
+  micro-batches keep activations on stage ``s`` at once (one stage alone: 1).
+
+Why ``p - s`` and not ``p - 1 - s`` as in torch's ``Schedule1F1B``: there the last stage computes
+the loss, so the gradient that starts its backward is ready when its forward ends. Here the loss
+is computed by the step body, on the first stage's rank: a position after the last stage, whose
+gradient comes back a round trip later. Counting that position as a stage, the last stage runs
+the next micro-batch's forward during the round trip instead of waiting for it, and every stage
+before it keeps one forward more in hand, as 1F1B needs to stay fed.
 """
 
 from __future__ import annotations
@@ -50,8 +57,9 @@ def gpipe_actions(stage: int, num_stages: int, microbatches: int,
 def one_f_one_b_actions(stage: int, num_stages: int, microbatches: int,
                         active_microbatches: int | None = None) -> list[Action]:
     """Warm-up forwards, then one forward and one backward in turn, then the remaining backwards.
-    ``active_microbatches`` caps the warm-up (fewer micro-batches in flight, a longer bubble)."""
-    warmup = min(microbatches, num_stages - 1 - stage)
+    The loss counts as one more stage (see the module docstring). ``active_microbatches`` caps the
+    warm-up (fewer micro-batches in flight, a longer bubble)."""
+    warmup = min(microbatches, num_stages - stage if num_stages > 1 else 0)
     if active_microbatches is not None:
         warmup = min(warmup, active_microbatches - 1)
     actions = [Action(FORWARD, i) for i in range(warmup)]

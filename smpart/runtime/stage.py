@@ -264,6 +264,8 @@ class StageServer:
         #: stage's gradients are final): data parallelism starts averaging them then.
         self.on_gradients_final: Callable[[int], None] | None = None
         self._stopping = False
+        #: While the dispatcher admits a `Batch`: the calls to start once all are admitted.
+        self._starting: list[Callable[[], None]] | None = None
         self._handlers: dict[type, Callable[[Any], None]] = {
             BeginStep: self._on_begin, Request: self._on_request, Response: self._on_response,
             Gradients: self._on_gradients, ForwardDone: self._on_forward_done, Release: self._on_release,
@@ -310,9 +312,13 @@ class StageServer:
             self._abort_running()
         elif isinstance(message, Armed):
             self._begin_ready_steps()
-        elif isinstance(message, Batch):
+        elif isinstance(message, Batch):  # every call reserves its place before any of them runs
+            self._starting = []
             for each in message.messages:
                 self._admit(each)
+            starting, self._starting = self._starting, None
+            for start in starting:
+                start()
         else:
             self._admit(message)
 
@@ -361,7 +367,14 @@ class StageServer:
         if message.promised is not None:
             with run.lock:
                 run.unanswered[message.promised[0]] += 1
-        self.transport.start(lambda: self._serve_call(run, message, claim), self.workers.submit)
+            if promises.waits_on(message, self.address):
+                run.scheduler.reserve(claim)
+        start = lambda: self.transport.start(lambda: self._serve_call(run, message, claim),  # noqa: E731
+                                             self.workers.submit)
+        if self._starting is None:
+            start()
+        else:
+            self._starting.append(start)
 
     def _on_response(self, message: Response) -> None:
         run = self._live(message)
@@ -512,8 +525,10 @@ class StageServer:
             run.scheduler.acquire(claim, run.timeout_s, lambda: self._describe_wait(run, request.module, mb),
                                   self.transport.check)
         except Cancelled:
+            run.scheduler.withdraw(claim)
             return
         except (TimedOut, SmpartError) as err:
+            run.scheduler.withdraw(claim)
             self._answer(run, request, error=err if isinstance(err, PipelineError) else PipelineError(
                 str(err), stage=self.stage, module=request.module, microbatch=mb, rank=self.rank))
             return

@@ -218,3 +218,56 @@ def test_a_small_handle_passed_back_to_its_owner_does_not_carry_its_data_again()
         assert dict(out.timeline.bytes_sent) == {(0, 1): 2 * size, (1, 0): 2 * size}
     finally:
         smpart.shutdown()
+
+
+class _Doubled(torch.autograd.Function):
+    """A custom autograd function: ``Function.apply`` hands it its input as is, a `Handle` too,
+    and autograd sends the input's gradient to that very object (as tensor-parallel layers do)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _Through(torch.nn.Module):
+    """Stage 0's root calls ``inner`` (stage 1, its output held there) and then uses that output on
+    stage 0 in a custom function and in a plain operation: both gradients must reach stage 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4, dtype=torch.float64)
+        self.outer = torch.nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        h = self.inner(x)
+        return self.outer(_Doubled.apply(h)) + h.tanh()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("promised", [False, True])
+def test_a_custom_autograd_function_given_a_handle_sends_its_gradient_to_the_owner(promised):
+    torch.manual_seed(0)
+    net = _Through()
+    reference = copy.deepcopy(net)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, pin={"": 0, "outer": 0, "inner": 1},
+                promised_calls=promised)
+    model = smpart.DistributedModel(net)
+
+    @smpart.step
+    def step(model, x):
+        loss = model(x).square().sum()
+        model.backward(loss)
+        return loss
+
+    x = torch.randn(4, 4, dtype=torch.float64)
+    for _ in range(2):  # the second step's calls are promised (when that is on)
+        model.zero_grad()
+        step(model, x)
+    reference.zero_grad()
+    for piece in x.chunk(2):
+        (reference(piece).square().sum() / 2).backward()
+    assert_same_grads(model, reference)

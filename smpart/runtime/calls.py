@@ -36,8 +36,9 @@ class Endpoint(Protocol):
 
     def call(self, frame: Frame, stage: int, model: int, module: str, args: tuple, kwargs: dict) -> Any: ...
 
-    def fetch(self, frame: Frame, ref: Any) -> Any:
-        """The data of a `handles.Handle` (``ref``: its reference), as it arrives here."""
+    def fetch(self, frame: Frame, ref: Any, have: Any = None) -> Any:
+        """The data of a `handles.Handle` (``ref``: its reference), as it arrives here; ``have``:
+        the data, when it came already (no message then)."""
         ...
 
 

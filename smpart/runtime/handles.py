@@ -34,10 +34,13 @@ Nothing waits for a handle's gradient: the end of a backward pass is detected by
 (`messages`), and an output consumed on its owner, or never used, sends no message at all. The
 owner drops what it holds when the micro-batch is released.
 
+A handle can also be an input of the graph itself: ``Function.apply`` (a custom autograd
+function, a tensor-parallel layer's collective) takes its tensors as they are, so autograd sends
+that input's gradient to the handle, not through its data's `_Arrive` node. A hook on the handle
+posts that gradient to the owner too (`_posting`).
+
 `Config.output_handles` (default on; ``SMPART_HANDLES=0`` turns the default off) switches the whole
-mechanism: off, every output crosses as data, as before. With tensor parallelism it is off for now
-(see `StepRun`): pipeline x tensor parallelism with handles trained wrong in a test, not yet
-understood.
+mechanism: off, every output crosses as data, as before.
 """
 
 from __future__ import annotations
@@ -119,16 +122,21 @@ class Handle(torch.Tensor):
     _ref: HandleRef
     _value: torch.Tensor | None
     _seen: int
+    _used: bool
     _lock: threading.Lock
 
     @staticmethod
-    def __new__(cls, ref: HandleRef, device: torch.device | str) -> Handle:
+    def __new__(cls, ref: HandleRef, device: torch.device | str, post: GradPost | None = None) -> Handle:
         handle = torch.Tensor._make_wrapper_subclass(cls, ref.shape, dtype=ref.dtype, device=device,
                                                      requires_grad=ref.requires_grad)
         handle._ref = ref
         handle._value = None
         handle._seen = 0
+        handle._used = False
         handle._lock = threading.Lock()
+        if ref.requires_grad and post is not None:
+            with torch._C.DisableTorchFunctionSubclass():  # not a use of the data: no fetch
+                handle.register_hook(_posting(ref.route, post))
         return handle
 
     @classmethod
@@ -149,22 +157,28 @@ class Handle(torch.Tensor):
         return func(*args, **kwargs)
 
     def value(self) -> torch.Tensor:
-        """The data (fetched from the owner the first time)."""
-        if self._value is None:
+        """The data (fetched from the owner the first time). The first use goes through the
+        endpoint even when the data came already (`materialise_with`): whether it came first is a
+        race, and what the endpoint does around a first use (see `StageServer.fetch`) must not
+        depend on one."""
+        if not self._used:
             with self._lock:
-                if self._value is None:
+                if not self._used:
                     from smpart.runtime.calls import current_frame
 
                     frame = current_frame()
-                    if frame is None:
+                    if frame is None and self._value is None:
                         raise SmpartError(
                             f"a tensor held by stage {self._ref.owner} (micro-batch {self._ref.microbatch}) "
                             "was used outside the step that made it; keep tensors a step returns, not "
                             "ones stored away inside modules")
-                    value = frame.endpoint.fetch(frame, self._ref)
-                    self._seen = value._version
-                    self._value = value
-        return self._value
+                    if frame is not None:
+                        value = frame.endpoint.fetch(frame, self._ref, self._value)
+                        if self._value is None:
+                            self._seen = value._version
+                            self._value = value
+                    self._used = True
+        return self._value  # type: ignore[return-value]
 
     def materialise_with(self, make: Callable[[], torch.Tensor]) -> None:
         """Set the data from ``make()`` (it came without a fetch), unless it is here already or
@@ -186,6 +200,20 @@ class Handle(torch.Tensor):
         if value is not None and (materialised_as_data or value._version != self._seen):
             return value
         return self._ref.without_data() if self._ref.owner == to else self._ref
+
+
+def _posting(route: Route, post: GradPost) -> Callable[[torch.Tensor], None]:
+    """The hook of a handle that is itself an input of the graph: ``Function.apply`` (a custom
+    autograd function, a tensor-parallel layer's collective) takes its inputs as they are, without
+    ``__torch_function__``, so autograd sends that input's gradient to the handle, not through the
+    `_Arrive` node of its fetched data. The hook posts it to the owner like that node would (a
+    handle used both ways posts twice, and the owner adds the two up)."""
+    target = (route.address, route.call_id, route.to_outputs)
+
+    def hook(grad: torch.Tensor) -> None:
+        post(target, {route.index: grad})
+
+    return hook
 
 
 def materialise_all(value: Any) -> Any:

@@ -45,7 +45,10 @@ What keeps the semantics of a waited-for call:
   and on a chain through several stages (the sleep-kernel pipeline of `bench/`) that made more
   messages than it saved waiting. Calls carrying state (a key/value cache) are never promised.
 
-Templates outlive the step: a promise does not depend on what can change between steps. A
+Templates outlive the step: a promise does not depend on what can change between steps. They
+are learned from one step and used from the next (a step that fails teaches nothing): whether a
+call is promised never depends on which answer of the step came first, so the tensor-parallel
+ranks of a stage, which must give their turns back alike, always decide alike. A
 promised output requires grad whenever it may (`promise`), so freezing or unfreezing parameters
 breaks nothing; casting the model changes the arguments' dtypes, hence the signatures.
 `Config.promised_calls` (default on; ``SMPART_PROMISES=0`` turns the default off) switches the

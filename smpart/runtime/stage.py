@@ -138,6 +138,10 @@ class StageStep:
                                                           begin.active_microbatches)
         self.scheduler = StageScheduler(actions, follower)
         self.requests: dict[int, int] = defaultdict(int)  # forward calls received per micro-batch
+        #: Templates learned in this step, kept for the next steps once it ends well: whether a call
+        #: is promised then depends on earlier steps only, never on which answer came first in this
+        #: one (tensor-parallel ranks must decide alike).
+        self.learned: dict[Any, promises.Template | None] = {}
         self.resumes: dict[int, int] = defaultdict(int)  # resumed calls per micro-batch
         self.gradients_sent: dict[int, dict] = defaultdict(dict)  # per micro-batch: endpoint -> count
         self.served: dict[int, CallRecords] = defaultdict(dict)  # outputs this stage returned
@@ -488,6 +492,9 @@ class StageServer:
         run = self.run
         if run is None or run.step != message.step:
             return
+        if not run.aborted:
+            for key, template in run.learned.items():
+                self.templates[key] = template
         self._abort(run)  # nothing of this step may still run or wait
         self.run = None
         started = [str(a) for a in run.scheduler.started_order]
@@ -636,7 +643,7 @@ class StageServer:
         def elsewhere(ref: handles.HandleRef) -> torch.Tensor:
             data = fetched.get((ref.owner, ref.key)) if fetched else None
             if data is None:
-                return handles.Handle(ref, self.device)
+                return handles.Handle(ref, self.device, run.outbox.post)
             return handles.arrive_fetched(data, ref, self.device, run.outbox.post)
 
         return handles.resolve(value, lambda ref: self._held(run, ref), elsewhere, self.address)
@@ -681,18 +688,30 @@ class StageServer:
                                 microbatch=ref.microbatch, rank=self.rank)
         return tensor
 
-    def fetch(self, frame: Frame, ref: handles.HandleRef) -> torch.Tensor:
+    def fetch(self, frame: Frame, ref: handles.HandleRef, have: torch.Tensor | None = None) -> torch.Tensor:
         """Materialise a handle: ask its owner for the data and wait (holding the turn if this frame
-        does: the owner's dispatcher answers without needing any stage's turn)."""
+        does: the owner's dispatcher answers without needing any stage's turn). A promised tensor's
+        owner may still have to compute it, and that may wait for this stage: the turn is given
+        back meanwhile and taken again before the computation that needs the data goes on (two
+        pieces of work at once would break the order of work, and tensor parallelism's collectives
+        with it). That happens whether or not the data came already (``have``, with a confirmation),
+        which is a race: tensor-parallel ranks must give their turns back alike."""
         run: StageStep = frame.run
         if ref.owner == self.address:
             return self._held(run, ref)
-        if ref.data is not None:  # small: it came with its reference
+        if have is None and ref.data is not None:  # small: it came with its reference
             return handles.arrive_fetched(ref.data, ref, self.device, run.outbox.post)
         if frame.outgoing is not None:
             self.flush(frame)
-        if ref.promised and frame.promised is not None:  # its owner may still have to compute it
+        resume = ref.promised and frame.promised is not None and frame.claim is not None
+        if resume:
             self._step_out(frame)
+        value = have if have is not None else self._fetched(run, ref)
+        if resume:
+            self.enter_compute(frame)
+        return value
+
+    def _fetched(self, run: StageStep, ref: handles.HandleRef) -> torch.Tensor:
         waiter = self._request_fetch(run, ref, new_call_id(self.place))
         what = lambda: (f"micro-batch {ref.microbatch} waited more than {run.timeout_s} s for a tensor held "  # noqa: E731
                         f"at {ref.owner} (a hang)")
@@ -762,8 +781,8 @@ class StageServer:
         output = boundary.arrive(output, self.device, route, run.outbox.post)
         if not response.refs:
             return output
-        if key is not None and key not in self.templates:
-            self.templates[key] = promises.template_of(output, callee, ambient.grad_enabled)
+        if key is not None and key not in self.templates and key not in run.learned:
+            run.learned[key] = promises.template_of(output, callee, ambient.grad_enabled)
         return self._resolve(run, mb, output)
 
     def _promise_key(self, frame: Frame, model: int, module: str, ambient: Ambient, value: Any,

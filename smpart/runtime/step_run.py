@@ -56,9 +56,7 @@ class StepRun:
         self.active_microbatches = config.active_microbatches
         self.average_grads = config.average_grads_across_microbatches
         self.timeout_s = config.timeout_s
-        # Tensor parallelism answers with data for now: pipeline x tensor parallelism with handles
-        # trained wrong in tests/test_checkpoint_layouts.py (not understood yet), so it is kept off.
-        self.handles = config.output_handles and config.tensor_parallel_degree == 1
+        self.handles = config.output_handles
         self.promises = self.handles and config.promised_calls
         self.aborted = threading.Event()
         self.turn = threading.Condition()

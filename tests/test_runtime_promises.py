@@ -312,17 +312,19 @@ class _Busy(torch.autograd.Function):
     intervals: list[tuple[str, float, float]] = []
 
     @staticmethod
-    def forward(ctx, x):
+    def work(kind: str) -> None:
         start = time.monotonic()
         time.sleep(0.03)
-        _Busy.intervals.append(("F", start, time.monotonic()))
+        _Busy.intervals.append((kind, start, time.monotonic()))
+
+    @staticmethod
+    def forward(ctx, x):
+        _Busy.work("F")
         return x * 2
 
     @staticmethod
     def backward(ctx, grad):
-        start = time.monotonic()
-        time.sleep(0.03)
-        _Busy.intervals.append(("B", start, time.monotonic()))
+        _Busy.work("B")
         return grad * 2
 
 

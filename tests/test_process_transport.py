@@ -127,12 +127,15 @@ def _payload(src: int, seq: int) -> dict:
         "bf16": torch.randn(2, seq % 3, generator=gen).to(torch.bfloat16),
         "scalar": torch.tensor(float(seq)),
         "twice": [shared, shared],  # one tensor object, twice: sent once, arrives as one object
-        "plain": {"seq": seq, "text": "x" * (seq * 13)},  # long text: headers past the first frame
+        "plain": {"seq": seq, "text": "x" * (seq * 13)},
+        # past the inline budget: travels on its own, on the data group
+        "big": [torch.randn(wire.INLINE_BUDGET // 4 + 1, generator=gen)] if seq % 20 == 0 else [],
     }
 
 
 def _payload_bytes(payload: dict) -> int:
-    tensors = [*payload["f64"], *payload["pair"], payload["bf16"], payload["scalar"], payload["twice"][0]]
+    tensors = [*payload["f64"], *payload["pair"], payload["bf16"], payload["scalar"], payload["twice"][0],
+               *payload["big"]]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -161,43 +164,57 @@ def _receive(transport: ProcessTransport, rank: int, timeout: float = 30.0) -> A
 # -- the wire format, in one process -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("seq", [0, 1, 5, 70])  # 70: a header longer than the first frame
-def test_wire_round_trip_without_processes(seq: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(wire, "INLINE_BYTES", -1)  # every tensor out of band, as big ones travel
+def _through_the_wire(message: Any, inline_budget: int) -> tuple[Any, wire.Packed]:
+    """``message`` packed, its frame and tail copied as gloo would into a reused receive buffer,
+    its other tensors received one by one, and rebuilt."""
+    packed = wire.pack(message, inline_budget)
+    buffer = torch.full((wire.FRAME_BYTES,), 0xEE, dtype=torch.uint8)  # stale bytes past the frame
+    buffer[: packed.frame.numel()].copy_(packed.frame)
+    incoming = wire.open_frame(buffer, None if packed.tail is None else packed.tail.clone())
+    buffer.fill_(0xEE)  # the buffer takes the next message: what came inline must not change
+    received = []
+    for spec, tensor in zip(incoming.specs, packed.tensors, strict=True):
+        data = wire.empty_for(spec)
+        data.copy_(wire.to_wire(tensor))
+        received.append(wire.from_wire(data, spec))
+    return wire.rebuild(incoming, received), packed
+
+
+@pytest.mark.parametrize("frame_bytes", [wire.FRAME_BYTES, 300])  # 300: headers with a tail
+@pytest.mark.parametrize("seq", [0, 1, 5, 70])
+def test_wire_round_trip_without_processes(seq: int, frame_bytes: int, monkeypatch: pytest.MonkeyPatch,
+                                           ) -> None:
+    monkeypatch.setattr(wire, "FRAME_BYTES", frame_bytes)
     payload = _payload(1, seq)
     payload["grad"] = torch.ones(2, requires_grad=True) * 2
-    header, tensors = wire.pack(Packet(1, seq, payload))
-    frame, tail = wire.frame(header)
-    assert frame.numel() == wire.FRAME_BYTES and (tail is not None) == (len(header) > wire.FRAME_BYTES - 8)
-    length = wire.frame_length(frame)
-    assert wire.tail_size(length) == (0 if tail is None else tail.numel())
-    assert wire.header_of(frame, tail, length) == header
-    specs, body = wire.unpack(header)
-    received = []
-    for spec, tensor in zip(specs, tensors, strict=True):
-        buffer = wire.empty_for(spec)
-        buffer.copy_(wire.to_wire(tensor))  # what the wire does
-        received.append(wire.from_wire(buffer, spec))
-    packet = wire.rebuild(body, received)
-    expected = {**_payload(1, seq), "grad": torch.full((2,), 2.0)}
-    assert _same(expected, packet.payload)
-    assert packet.payload["twice"][0] is packet.payload["twice"][1]
-    assert len(tensors) == 7  # the shared one once
-    assert wire.frame_length(wire.frame(None)[0]) == wire.GOODBYE
+    payload["wide"] = torch.arange(3000, dtype=torch.float32).reshape(3, 1000)[:, ::2]  # not contiguous
+    for budget in (0, wire.INLINE_BUDGET):  # 0: only tensors of at most SMALL_BYTES inline
+        packet, packed = _through_the_wire(Packet(1, seq, payload), budget)
+        expected = {**_payload(1, seq), "grad": torch.full((2,), 2.0), "wide": payload["wide"].contiguous()}
+        assert _same(expected, packet.payload)
+        assert packet.payload["twice"][0] is packet.payload["twice"][1]
+        # "wide" on its own with no budget; the payload's "big" (seq 0) past any budget
+        assert len(packed.tensors) == (budget == 0) + (seq == 0)
+        assert packed.tensor_bytes == _payload_bytes(payload) + 8 + 6000
+        whole = packed.frame.numel() + (0 if packed.tail is None else packed.tail.numel())
+        assert wire.frame_lengths(packed.frame)[1] == whole  # the frame announces what it sends
+        assert (packed.tail is not None) == (whole > frame_bytes)
+    assert wire.frame_lengths(wire.goodbye())[0] == wire.GOODBYE
 
 
-def test_small_tensors_travel_inside_the_header() -> None:
+def test_tensors_ride_in_the_frame_up_to_the_budget() -> None:
     shared = torch.tensor(3.5)
     message = {"loss": shared, "again": shared, "grad": torch.ones(2, 3, requires_grad=True) * 2,
                "half": torch.ones(3, dtype=torch.bfloat16), "empty": torch.empty(0, 4),
-               "big": torch.ones(1000)}
-    header, tensors, inline = wire.pack_counted(message)
-    assert len(tensors) == 1 and inline == 4 + 24 + 6  # the shared scalar counted once
-    _, body = wire.unpack(header)
-    received = wire.rebuild(body, [torch.ones(1000)])
+               "big": torch.ones(1000), "bigger": torch.ones(2000)}
+    received, packed = _through_the_wire(message, 4100)
+    assert [t.numel() for t in packed.tensors] == [2000]  # "big" fit the budget, "bigger" did not
+    assert packed.frame.numel() < 4000 + 4 + 24 + 6 + 600  # the header, then only the bytes used
     assert received["loss"] is received["again"] and received["loss"].item() == 3.5
     assert torch.equal(received["grad"], torch.full((2, 3), 2.0)) and not received["grad"].requires_grad
     assert received["half"].dtype == torch.bfloat16 and received["empty"].shape == (0, 4)
+    assert torch.equal(received["big"], torch.ones(1000))
+    assert torch.equal(received["bigger"], torch.ones(2000))
 
 
 def test_wire_refuses_tensors_without_plain_data() -> None:

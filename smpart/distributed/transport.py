@@ -1,18 +1,20 @@
 """The process transport: pipeline messages between ranks, on torch.distributed.
 
 `ProcessTransport` moves the runtime's messages (small dataclasses with tensors inside) from one
-rank to another. The trick is to split every message in two::
+rank to another. The trick is to send every message as one transfer where it can::
 
-    message ──pickle, persistent_id pulls tensors out──► header bytes  +  [t0, t1, ...]
-         header: fixed frame (+ tail if long) on header_group (gloo, CPU)  tag FRAME / TAIL
-         tensors: flat uint8 views, one send each, on the data group          tag TENSOR
-    receiver: frame ─► tail ─► tensor specs ─► one recv per tensor ─► persistent_load ─► message
+    message ──pickle, reducer_override pulls tensors out──► header + [t0, t1, ...]
+         frame: header + the CPU tensors that fit, on header_group (gloo)   tag FRAME (+ TAIL)
+         the other tensors: flat uint8 views, one send each, on the data group    tag TENSOR
+    receiver: frame (posted ahead) ─► tail ─► one recv per other tensor ─► rebuild ─► message
 
 The header is small plain bytes (the object graph plus each tensor's shape and dtype, see
-`smpart.distributed.wire`), so it always goes over gloo; the tensors never get pickled and go
-over the data group, gloo on CPU or NCCL on GPU (with gloo, CUDA tensors travel and arrive on
-the CPU). Shapes may differ from one message to the next: the receiver allocates from the
-header every time.
+`smpart.distributed.wire`), so it always goes over gloo, and with it the message's CPU tensors up
+to ``wire.INLINE_BUDGET`` bytes: on gloo a pipeline message is then one transfer into a buffer
+the receiver posted before it was sent. Bigger tensors never get pickled or copied and go over
+the data group, gloo on CPU or NCCL on GPU (with gloo, CUDA tensors travel and arrive on the
+CPU; with NCCL nothing but tiny CPU tensors rides in the frame). Shapes may differ from one
+message to the next: the receiver allocates from the header every time.
 
 Threads, and why order holds. `send` pickles on the caller's thread (so an unpicklable message
 fails there, at once) and posts the message's parts there too, under one lock, as non-blocking
@@ -269,7 +271,7 @@ class ProcessTransport:
             return
         self._check_peer(place)
         try:
-            header, tensors, inline = wire.pack_counted(message)
+            packed = wire.pack(message, self._inline_budget(place))
         except SmpartError:
             raise
         except Exception as err:
@@ -283,11 +285,11 @@ class ProcessTransport:
             if self._released:
                 raise SmpartError(f"the transport of rank {self.rank} was released: nothing more can be sent")
             try:
-                posted, size = self._post(place, header, tensors)
+                posted = self._post(place, packed)
             except Exception as err:
                 self._lose(place, f"sending to it failed: {_brief(err)}")
                 raise PeerLost(place, self._why_lost.get(place, "")) from err
-        self._posted.put((place, posted, size + inline))
+        self._posted.put((place, posted, packed.tensor_bytes))
 
     def check(self) -> None:
         """Raise `PeerLost` for the first peer lost, or the error of a message that arrived but could
@@ -426,24 +428,28 @@ class ProcessTransport:
 
     # -- sending --------------------------------------------------------------------------------
 
-    def _post(self, place: int, header: bytes, tensors: list[torch.Tensor]) -> tuple[list[tuple], int]:
+    def _inline_budget(self, place: int) -> int:
+        """How many tensor bytes may ride in a message's frame to ``place``: none with NCCL, whose
+        tensors should travel on the GPU (small CPU ones still go inline, see `wire.SMALL_BYTES`)."""
+        return 0 if id(self._pair_group(self.rank, place)) in self._nccl else wire.INLINE_BUDGET
+
+    def _post(self, place: int, packed: wire.Packed) -> list[tuple]:
         """Post every part of a message to ``place`` (the caller holds ``_post_lock``): for each part
-        its work, group and buffer (kept alive until the work completes), and the tensor bytes."""
-        frame, tail = wire.frame(header)
+        its work, group and buffer (kept alive until the work completes)."""
         header_group = self._header_group
-        posted = [(dist.isend(frame, dst=place, group=header_group, tag=TAG_FRAME), header_group, frame)]
-        if tail is not None:
-            posted.append((dist.isend(tail, dst=place, group=header_group, tag=TAG_TAIL), header_group, tail))
+        posted = [(dist.isend(packed.frame, dst=place, group=header_group, tag=TAG_FRAME), header_group,
+                   packed.frame)]
+        if packed.tail is not None:
+            posted.append((dist.isend(packed.tail, dst=place, group=header_group, tag=TAG_TAIL), header_group,
+                           packed.tail))
         group = self._pair_group(self.rank, place)
         nccl = id(group) in self._nccl
-        size = 0
         with torch.cuda.device(self._device) if nccl else contextlib.nullcontext():
-            for tensor in tensors:
+            for tensor in packed.tensors:
                 data = wire.to_wire(tensor, self._device if nccl else torch.device("cpu"))
                 if data.numel():
                     posted.append((dist.isend(data, dst=place, group=group, tag=TAG_TENSOR), group, data))
-                size += data.numel()
-        return posted, size
+        return posted
 
     def _complete_loop(self) -> None:
         """Wait, in posting order, for each posted message to be sent; at close, say goodbye."""
@@ -473,7 +479,7 @@ class ProcessTransport:
         for peer in self._peers:
             if peer in self.lost or self._released:
                 continue
-            frame, _ = wire.frame(None)
+            frame = wire.goodbye()
             try:
                 with self._post_lock:
                     work = dist.isend(frame, dst=peer, group=self._header_group, tag=TAG_FRAME)
@@ -492,18 +498,17 @@ class ProcessTransport:
     def _receive_loop(self, peer: int) -> None:
         if self._device is not None:
             torch.cuda.set_device(self._device)
-        frame = torch.empty(wire.FRAME_BYTES, dtype=torch.uint8)  # reused: its bytes are copied out
+        frame = torch.empty(wire.FRAME_BYTES, dtype=torch.uint8)  # reused: what it brings is copied out
         try:
             while True:
-                header = self._receive_header(peer, frame)
-                if header is None:
+                incoming = self._receive_frame(peer, frame)
+                if incoming is None:
                     with self._lock:
                         self._gone.add(peer)
                     return
-                specs, body = wire.unpack(header)
-                tensors = self._receive_tensors(peer, specs)
+                tensors = self._receive_tensors(peer, incoming.specs)
                 try:
-                    message = wire.rebuild(body, tensors)
+                    message = wire.rebuild(incoming, tensors)
                 except Exception as err:
                     self._on_undeliverable(peer, err)
                     continue
@@ -517,21 +522,22 @@ class ProcessTransport:
         elif self._undeliverable is None:
             self._undeliverable = _undeliverable_error(peer, err)
 
-    def _receive_header(self, peer: int, frame: torch.Tensor) -> bytes | None:
-        """The next header from ``peer``, received into ``frame``; None if it said goodbye."""
+    def _receive_frame(self, peer: int, frame: torch.Tensor) -> wire.Incoming | None:
+        """The next message's frame from ``peer`` (and its tail), opened; None if it said goodbye."""
         work = dist.irecv(frame, src=peer, group=self._header_group, tag=TAG_FRAME)
         self._wait(work, self._header_group, _IDLE_WAIT)
-        length = wire.frame_length(frame)
-        if length == wire.GOODBYE:
+        header_length, length = wire.frame_lengths(frame)
+        if header_length == wire.GOODBYE:
             return None
         tail = None
         if wire.tail_size(length):
             tail = torch.empty(wire.tail_size(length), dtype=torch.uint8)
             self._wait(dist.irecv(tail, src=peer, group=self._header_group, tag=TAG_TAIL), self._header_group)
-        return wire.header_of(frame, tail, length)
+        return wire.open_frame(frame, tail)
 
     def _receive_tensors(self, peer: int, specs: list[wire.TensorSpec]) -> list[torch.Tensor]:
-        """A message's tensors: every receive posted at once, then waited for in order."""
+        """A message's tensors that did not come in its frame: every receive posted at once, then
+        waited for in order."""
         group = self._pair_group(peer, self.rank)
         device = self._device if id(group) in self._nccl else None
         buffers = [wire.empty_for(spec, device) for spec in specs]

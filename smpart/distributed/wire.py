@@ -1,13 +1,25 @@
-"""Messages on the wire: a pickled header with the tensors pulled out, then the tensors as bytes.
+"""Messages on the wire: a pickled header with the tensors pulled out, and the tensors as bytes.
 
 A message is any picklable object with tensors anywhere inside it (dataclass fields, lists, dicts).
 `pack` pickles it with a `pickle.Pickler` whose ``reducer_override`` replaces every tensor by its
 index in a side list, so no tensor is ever pickled: the header holds the object graph plus, per
-tensor, its shape and dtype, and the tensors travel separately as flat ``uint8`` views of their
-data (any dtype, no conversion). `unpack` reads the header's tensor specs, the caller receives
-that many byte buffers, and `rebuild` unpickles the body, each index turning back into its
-buffer viewed as its dtype and shape. The same tensor object appearing twice in a message
-travels once and arrives as one object (pickle's memo).
+tensor, its shape, dtype and where its bytes are, and the bytes travel as flat ``uint8`` views of
+the data (any dtype, no conversion). The same tensor object appearing twice in a message travels
+once and arrives as one object (pickle's memo).
+
+One transfer per message, where it can be. A message is a *frame*::
+
+    [header length | frame length | header | inline tensor bytes ...]   (+ a tail past FRAME_BYTES)
+
+followed by one transfer per tensor that did not go inline. CPU tensors go inline while their
+bytes fit ``inline_budget`` (small ones always), so on gloo a pipeline message (an activation, a
+gradient, a request with its arguments) is one transfer: the receiver has the frame's receive
+posted before the message exists (a buffer of ``FRAME_BYTES``; the sender sends only the bytes it
+uses), while a tensor sent on its own waits for the receiver to post its receive once the frame
+arrived. Bigger tensors, and CUDA tensors for NCCL, travel on their own, with no copy. The
+receiver opens a frame (`open_frame`: the header's specs, and the inline tensors copied out, so
+the frame's buffer can take the next message), receives the tensors the specs list, and
+`rebuild` unpickles the body, each index turning back into its tensor.
 
 Why ``reducer_override`` and not ``persistent_id``: pickle calls ``persistent_id`` (Python) for
 every object of the message, ints and strings included, while it skips ``reducer_override`` for
@@ -16,11 +28,6 @@ the built-in types: packing a pipeline request went from ~36 to ~20 µs here.
 Tensors arrive detached (``requires_grad`` is not sent) and as plain ``torch.Tensor`` (a
 ``Parameter`` arrives as its data). Sparse, quantized, meta and other subclassed tensors are
 refused with an `SmpartError` when the message is packed.
-
-The header frame: the header is sent as a fixed-size first frame (``FRAME_BYTES``; its first 8
-bytes are the header's length, the rest its first bytes) and, only when the header does not fit,
-a tail with the remaining bytes. The receiver can post the frame's receive before it knows the
-size, and a small message costs one header send instead of a length plus a payload.
 """
 
 from __future__ import annotations
@@ -29,21 +36,34 @@ import io
 import pickle
 import struct
 import threading
+from dataclasses import dataclass
 from typing import Any
 
+import numpy
 import torch
 
 from smpart.errors import SmpartError
 
-FRAME_BYTES = 4096
-"""Size of the first header frame; a header longer than ``FRAME_BYTES - 8`` sends a tail. Most
-headers fit (a request with its arguments' metadata is ~0.5 KB, a step's result ~2 KB): a tail is a
-second transfer, which waits for the receiver to post it once the frame arrived."""
+FRAME_BYTES = 1 << 20
+"""Size of the buffer a receiver posts for the next message's first transfer (the *frame*). A
+message is sent as one frame when its header and inline tensors fit (the sender sends only the
+bytes used); a bigger one sends the first ``FRAME_BYTES`` as the frame and the rest as a tail."""
+
+INLINE_BUDGET = 512 << 10
+"""CPU tensors of a message travel inside its frame while their bytes add up to at most this
+much (``inline_budget`` of `pack`). Each transfer costs a handshake with the receiver and work on
+gloo's I/O thread (here ~100-200 µs of CPU per transfer, half a round trip of latency for one
+posted after the frame arrived), far more than copying the bytes into the frame and out again."""
+
+SMALL_BYTES = 1024
+"""A CPU tensor this small always travels inside the frame, whatever the budget: a loss, a small
+gradient, a routing index (with NCCL, whose budget is 0, they still need no CUDA transfer)."""
 
 GOODBYE = -1
-"""Length written in a frame that carries no message: the sender will send nothing more."""
+"""Header length written in a frame that carries no message: the sender will send nothing more."""
 
-_LENGTH = struct.Struct("<q")
+_LENGTHS = struct.Struct("<qq")  # header length, whole frame length (with a tail)
+OUT_OF_BAND = -1  # a tensor spec's offset when the tensor travels on its own
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 """What the receiver needs to allocate a tensor: its shape and dtype."""
@@ -55,29 +75,39 @@ _DTYPE_NAME = {d: str(d).removeprefix("torch.") for d in vars(torch).values() if
 _DTYPE = {name: dtype for dtype, name in _DTYPE_NAME.items()}
 
 
-#: A CPU tensor this small travels inside the header: a separate transfer (a handshake with the
-#: receiver each) would cost far more than its bytes (a loss, a small gradient, a routing index).
-INLINE_BYTES = 1024
+@dataclass(slots=True)
+class Packed:
+    """A message ready to send: its ``frame`` (the first transfer), the ``tail`` when it did not fit,
+    and the ``tensors`` that travel on their own, in order."""
+
+    frame: torch.Tensor
+    tail: torch.Tensor | None
+    tensors: list[torch.Tensor]
+    tensor_bytes: int  # payload bytes of all its tensors, inside the frame or not
+
+
+@dataclass(slots=True)
+class Incoming:
+    """A received frame, opened: the ``specs`` of the tensors still to receive (in order) and what
+    `rebuild` needs besides them."""
+
+    specs: list[TensorSpec]
+    body: bytes
+    inline: dict[int, torch.Tensor]  # tensor index -> tensor that came in the frame
+    order: list[int]  # tensor index of each spec in ``specs``
 
 
 class _TensorPickler(pickle.Pickler):
-    """Pickles an object graph, replacing each tensor by its index in ``self.tensors``, or, for a
-    small CPU tensor, by its bytes."""
+    """Pickles an object graph, replacing each tensor by its index in ``self.tensors``."""
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
-        self.inline_bytes = 0
 
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, torch.Tensor):
             return NotImplemented
         _check_sendable(obj)
-        size = obj.numel() * obj.element_size()
-        if obj.device.type == "cpu" and size <= INLINE_BYTES:
-            self.inline_bytes += size
-            data = bytes(to_wire(obj.detach()).numpy()) if size else b""
-            return _inline_tensor, (data, tuple(obj.shape), _DTYPE_NAME[obj.dtype])
         self.tensors.append(obj)
         return _received_tensor, (len(self.tensors) - 1,)
 
@@ -87,12 +117,6 @@ _rebuilding = threading.local()  # the tensors of the message this thread is reb
 
 def _received_tensor(index: int) -> torch.Tensor:
     return _rebuilding.tensors[index]
-
-
-def _inline_tensor(data: bytes, shape: tuple[int, ...], dtype_name: str) -> torch.Tensor:
-    spec = (shape, _DTYPE[dtype_name])
-    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else empty_for(spec)
-    return from_wire(buffer, spec)
 
 
 def _check_sendable(tensor: torch.Tensor) -> None:
@@ -112,36 +136,84 @@ def _check_sendable(tensor: torch.Tensor) -> None:
         )
 
 
-def pack(message: Any) -> tuple[bytes, list[torch.Tensor]]:
-    """The header of ``message`` and its tensors, in the order the header lists them.
+def pack(message: Any, inline_budget: int = INLINE_BUDGET) -> Packed:
+    """``message`` as a frame (header, then the CPU tensors that fit ``inline_budget``), a tail if
+    the frame would pass ``FRAME_BYTES``, and the tensors that travel on their own.
 
     Raises whatever pickling raises (the caller wraps it) or `SmpartError` for unsendable tensors.
     """
-    header, tensors, _ = pack_counted(message)
-    return header, tensors
-
-
-def pack_counted(message: Any) -> tuple[bytes, list[torch.Tensor], int]:
-    """`pack`, and the bytes of the tensors that went inside the header."""
     buffer = io.BytesIO()
     pickler = _TensorPickler(buffer)
     pickler.dump(message)
-    specs = [(tuple(t.shape), _DTYPE_NAME[t.dtype]) for t in pickler.tensors]
+    specs, inline, separate = [], [], []
+    offset = total = 0
+    for tensor in pickler.tensors:
+        size = tensor.numel() * tensor.element_size()
+        total += size
+        if tensor.device.type == "cpu" and (size <= SMALL_BYTES or offset + size <= inline_budget):
+            specs.append((tuple(tensor.shape), _DTYPE_NAME[tensor.dtype], offset))
+            inline.append((offset, tensor))
+            offset += size
+        else:
+            specs.append((tuple(tensor.shape), _DTYPE_NAME[tensor.dtype], OUT_OF_BAND))
+            separate.append(tensor)
     header = pickle.dumps((specs, buffer.getvalue()), protocol=pickle.HIGHEST_PROTOCOL)
-    return header, pickler.tensors, pickler.inline_bytes
+    start = _LENGTHS.size + len(header)
+    whole = torch.empty(start + offset, dtype=torch.uint8)
+    raw = whole.numpy()
+    _LENGTHS.pack_into(raw, 0, len(header), start + offset)
+    raw[_LENGTHS.size : start] = numpy.frombuffer(header, dtype=numpy.uint8)
+    for at, tensor in inline:
+        if tensor.numel():
+            whole[start + at : start + at + tensor.numel() * tensor.element_size()].copy_(to_wire(tensor))
+    frame, tail = whole[:FRAME_BYTES], (whole[FRAME_BYTES:] if whole.numel() > FRAME_BYTES else None)
+    return Packed(frame, tail, separate, total)
 
 
-def unpack(header: bytes) -> tuple[list[TensorSpec], bytes]:
-    """The tensor specs and the pickled body of a header made by `pack`."""
-    specs, body = pickle.loads(header)
-    return [(shape, _DTYPE[name]) for shape, name in specs], body
+def goodbye() -> torch.Tensor:
+    """The frame that says the sender will send nothing more."""
+    frame = torch.zeros(_LENGTHS.size, dtype=torch.uint8)
+    _LENGTHS.pack_into(frame.numpy(), 0, GOODBYE, _LENGTHS.size)
+    return frame
 
 
-def rebuild(body: bytes, tensors: list[torch.Tensor]) -> Any:
-    """The message, from the body `unpack` returned and its received tensors."""
+def frame_lengths(frame: torch.Tensor) -> tuple[int, int]:
+    """The header length a received frame announces (`GOODBYE` for a goodbye) and the whole
+    frame's length (tail included)."""
+    return _LENGTHS.unpack_from(frame.numpy(), 0)
+
+
+def tail_size(length: int) -> int:
+    """How many bytes follow the frame for a whole frame of ``length`` bytes."""
+    return max(0, length - FRAME_BYTES)
+
+
+def open_frame(frame: torch.Tensor, tail: torch.Tensor | None) -> Incoming:
+    """The header and inline tensors of a received frame (and its tail). ``frame`` may be reused
+    afterwards: what is taken from it is copied."""
+    header_length, length = frame_lengths(frame)
+    whole = frame[:length] if tail is None else torch.cat([frame[:FRAME_BYTES], tail])
+    start = _LENGTHS.size + header_length
+    specs, body = pickle.loads(whole[_LENGTHS.size : start].numpy())
+    incoming = Incoming([], body, {}, [])
+    for index, (shape, name, offset) in enumerate(specs):
+        spec = (shape, _DTYPE[name])
+        if offset == OUT_OF_BAND:
+            incoming.specs.append(spec)
+            incoming.order.append(index)
+        else:
+            data = whole[start + offset : start + offset + nbytes(spec)]
+            incoming.inline[index] = from_wire(data.clone(), spec)  # its own, aligned storage
+    return incoming
+
+
+def rebuild(incoming: Incoming, received: list[torch.Tensor]) -> Any:
+    """The message, from its opened frame and its tensors received on their own (in spec order)."""
+    tensors = dict(incoming.inline)
+    tensors.update(zip(incoming.order, received, strict=True))
     _rebuilding.tensors = tensors
     try:
-        return pickle.loads(body)
+        return pickle.loads(incoming.body)
     finally:
         _rebuilding.tensors = None
 
@@ -172,34 +244,3 @@ def from_wire(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """The received ``buffer`` viewed as the tensor ``spec`` describes (no copy)."""
     shape, dtype = spec
     return buffer.view(dtype).reshape(shape)
-
-
-def frame(header: bytes | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The fixed-size first frame for ``header`` (None: a goodbye) and the tail, if it needs one."""
-    raw = bytearray(FRAME_BYTES)
-    if header is None:
-        _LENGTH.pack_into(raw, 0, GOODBYE)
-        return torch.frombuffer(raw, dtype=torch.uint8), None
-    _LENGTH.pack_into(raw, 0, len(header))
-    room = FRAME_BYTES - _LENGTH.size
-    raw[_LENGTH.size : _LENGTH.size + min(room, len(header))] = header[:room]
-    tail = None
-    if len(header) > room:
-        tail = torch.frombuffer(bytearray(header[room:]), dtype=torch.uint8)
-    return torch.frombuffer(raw, dtype=torch.uint8), tail
-
-
-def frame_length(frame_tensor: torch.Tensor) -> int:
-    """The header length a received frame announces (`GOODBYE` for a goodbye)."""
-    return _LENGTH.unpack_from(frame_tensor.numpy().tobytes(), 0)[0]
-
-
-def tail_size(length: int) -> int:
-    """How many header bytes follow the frame for a header of ``length`` bytes."""
-    return max(0, length - (FRAME_BYTES - _LENGTH.size))
-
-
-def header_of(frame_tensor: torch.Tensor, tail: torch.Tensor | None, length: int) -> bytes:
-    """The header bytes, joined from a received frame and tail."""
-    head = frame_tensor.numpy().tobytes()[_LENGTH.size : _LENGTH.size + length]
-    return head if tail is None else head + tail.numpy().tobytes()

@@ -102,6 +102,7 @@ class _TensorPickler(pickle.Pickler):
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.file = file
         self.tensors: list[torch.Tensor] = []
 
     def reducer_override(self, obj: Any) -> Any:
@@ -142,32 +143,50 @@ def pack(message: Any, inline_budget: int = INLINE_BUDGET) -> Packed:
 
     Raises whatever pickling raises (the caller wraps it) or `SmpartError` for unsendable tensors.
     """
-    buffer = io.BytesIO()
-    pickler = _TensorPickler(buffer)
-    pickler.dump(message)
+    body, tensors = _pickled(message)
     specs, inline, separate = [], [], []
     offset = total = 0
-    for tensor in pickler.tensors:
+    for tensor in tensors:
         size = tensor.numel() * tensor.element_size()
         total += size
         if tensor.device.type == "cpu" and (size <= SMALL_BYTES or offset + size <= inline_budget):
             specs.append((tuple(tensor.shape), _DTYPE_NAME[tensor.dtype], offset))
-            inline.append((offset, tensor))
+            inline.append((offset, size, tensor))
             offset += size
         else:
             specs.append((tuple(tensor.shape), _DTYPE_NAME[tensor.dtype], OUT_OF_BAND))
             separate.append(tensor)
-    header = pickle.dumps((specs, buffer.getvalue()), protocol=pickle.HIGHEST_PROTOCOL)
+    header = pickle.dumps((specs, body), protocol=pickle.HIGHEST_PROTOCOL)
     start = _LENGTHS.size + len(header)
-    whole = torch.empty(start + offset, dtype=torch.uint8)
-    raw = whole.numpy()
+    raw = numpy.empty(start + offset, dtype=numpy.uint8)
     _LENGTHS.pack_into(raw, 0, len(header), start + offset)
     raw[_LENGTHS.size : start] = numpy.frombuffer(header, dtype=numpy.uint8)
-    for at, tensor in inline:
-        if tensor.numel():
-            whole[start + at : start + at + tensor.numel() * tensor.element_size()].copy_(to_wire(tensor))
-    frame, tail = whole[:FRAME_BYTES], (whole[FRAME_BYTES:] if whole.numel() > FRAME_BYTES else None)
-    return Packed(frame, tail, separate, total)
+    for at, size, tensor in inline:
+        if size:
+            raw[start + at : start + at + size] = to_wire(tensor).numpy()
+    whole = torch.from_numpy(raw)
+    if raw.size <= FRAME_BYTES:
+        return Packed(whole, None, separate, total)
+    return Packed(whole[:FRAME_BYTES], whole[FRAME_BYTES:], separate, total)
+
+
+_picklers = threading.local()  # one pickler per thread, reused: making one costs more than using it
+
+
+def _pickled(message: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """``message`` pickled with its tensors replaced by indices, and those tensors."""
+    pickler = getattr(_picklers, "pickler", None)
+    if pickler is None:
+        pickler = _picklers.pickler = _TensorPickler(io.BytesIO())
+    file = pickler.file
+    try:
+        pickler.dump(message)
+        return file.getvalue(), pickler.tensors
+    finally:
+        pickler.tensors = []
+        pickler.clear_memo()
+        file.seek(0)
+        file.truncate()
 
 
 def goodbye() -> torch.Tensor:
@@ -192,9 +211,9 @@ def open_frame(frame: torch.Tensor, tail: torch.Tensor | None) -> Incoming:
     """The header and inline tensors of a received frame (and its tail). ``frame`` may be reused
     afterwards: what is taken from it is copied."""
     header_length, length = frame_lengths(frame)
-    whole = frame[:length] if tail is None else torch.cat([frame[:FRAME_BYTES], tail])
+    raw = frame.numpy() if tail is None else numpy.concatenate([frame.numpy()[:FRAME_BYTES], tail.numpy()])
     start = _LENGTHS.size + header_length
-    specs, body = pickle.loads(whole[_LENGTHS.size : start].numpy())
+    specs, body = pickle.loads(raw[_LENGTHS.size : start])
     incoming = Incoming([], body, {}, [])
     for index, (shape, name, offset) in enumerate(specs):
         spec = (shape, _DTYPE[name])
@@ -202,8 +221,9 @@ def open_frame(frame: torch.Tensor, tail: torch.Tensor | None) -> Incoming:
             incoming.specs.append(spec)
             incoming.order.append(index)
         else:
-            data = whole[start + offset : start + offset + nbytes(spec)]
-            incoming.inline[index] = from_wire(data.clone(), spec)  # its own, aligned storage
+            size = nbytes(spec)
+            data = torch.from_numpy(raw[start + offset : start + offset + size].copy()) if size else empty_for(spec)
+            incoming.inline[index] = from_wire(data, spec)  # its own storage: the frame is reused
     return incoming
 
 

@@ -175,9 +175,8 @@ _picklers = threading.local()  # one pickler per thread, reused: making one cost
 
 def _pickled(message: Any) -> tuple[bytes, list[torch.Tensor]]:
     """``message`` pickled with its tensors replaced by indices, and those tensors."""
-    pickler = getattr(_picklers, "pickler", None)
-    if pickler is None:
-        pickler = _picklers.pickler = _TensorPickler(io.BytesIO())
+    pickler = getattr(_picklers, "pickler", None) or _TensorPickler(io.BytesIO())
+    _picklers.pickler = None  # taken: a pack inside this one (from some __reduce__) makes its own
     file = pickler.file
     try:
         pickler.dump(message)
@@ -187,6 +186,7 @@ def _pickled(message: Any) -> tuple[bytes, list[torch.Tensor]]:
         pickler.clear_memo()
         file.seek(0)
         file.truncate()
+        _picklers.pickler = pickler
 
 
 def goodbye() -> torch.Tensor:
@@ -222,8 +222,9 @@ def open_frame(frame: torch.Tensor, tail: torch.Tensor | None) -> Incoming:
             incoming.order.append(index)
         else:
             size = nbytes(spec)
-            data = torch.from_numpy(raw[start + offset : start + offset + size].copy()) if size else empty_for(spec)
-            incoming.inline[index] = from_wire(data, spec)  # its own storage: the frame is reused
+            # its own storage (the frame's buffer takes the next message); numpy's empty is not viewable
+            data = torch.from_numpy(raw[start + offset : start + offset + size].copy()) if size else None
+            incoming.inline[index] = from_wire(empty_for(spec) if data is None else data, spec)
     return incoming
 
 

@@ -57,7 +57,8 @@ class PipelineError(SmpartError):
             trace = "".join(traceback.format_exception(self.__cause__))
         fields = {"stage": self.stage, "module": self.module, "microbatch": self.microbatch,
                   "rank": self.rank, "remote_traceback": trace}
-        return (_rebuild_pipeline_error, (type(self), str(self), fields))
+        # the message alone: str() would carry the traceback in it too, twice once it is rebuilt
+        return (_rebuild_pipeline_error, (type(self), super().__str__(), fields))
 
     def __str__(self) -> str:
         text = super().__str__()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import socket
 import time
 import traceback
@@ -70,12 +71,17 @@ def run_ranks(fn: Any, world_size: int, *args: Any, timeout_s: float = 120.0,
     out = {rank: RankResult(rank) for rank in range(world_size)}
     deadline = time.monotonic() + timeout_s
     received = 0
+    unreadable: list[str] = []
     while received < world_size and time.monotonic() < deadline:
         try:
             rank, value, error = results.get(timeout=0.2)
-        except Exception:  # noqa: BLE001 - queue.Empty: check whether everyone died silently
+        except queue.Empty:  # check whether everyone died silently
             if all(not p.is_alive() for p in procs) and results.empty():
                 break
+            continue
+        except Exception as err:  # noqa: BLE001 - a result that did not unpickle (whose, unknown)
+            unreadable.append(f"{type(err).__name__}: {err}")
+            received += 1
             continue
         out[rank].value, out[rank].error = value, error
         received += 1
@@ -87,6 +93,8 @@ def run_ranks(fn: Any, world_size: int, *args: Any, timeout_s: float = 120.0,
             proc.join(5)
     for rank, proc in enumerate(procs):
         out[rank].exitcode = proc.exitcode
+        if unreadable and out[rank].value is None and out[rank].error is None:
+            out[rank].error = f"a rank's result could not be read back: {unreadable}"
     del store
     return [out[r] for r in range(world_size)]
 

@@ -188,3 +188,79 @@ def test_rank_helpers():
     results = run_ranks(_with_helpers, 2, timeout_s=50)
     assert [r.value for r in results] == [(0, 2, 0, 1, 1), (1, 2, 1, 1, 1)]
 
+
+
+def _one_replica_fails(rank, where):
+    """pp 2 x dp 2: a step, then one that fails on replica 0 only (in stage 1's module, or in the
+    step body after the backward), then two more. From the second step on, a replica starts its
+    all-reduce during the backward (it knows the counts): the failed replica must pair with it."""
+    torch.manual_seed(0)
+    smpart.init(pipeline_parallel_degree=2, data_parallel_degree=2, microbatches=2, pin=PINS, timeout_s=40)
+    dm = smpart.DistributedModel(Chain())
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.1))
+    replica = smpart.dp_rank()
+
+    @smpart.step
+    def step(model, x, fail_after_backward):
+        loss = model(x).square().mean()
+        model.backward(loss)
+        if fail_after_backward:
+            raise RuntimeError("the step body failed after its backward")
+        return loss
+
+    x = torch.linspace(-1, 1, 16, dtype=torch.float64).reshape(4, 4) * (1 + replica)
+    bad = x.clone()
+    if where == "module":
+        bad[2:, 0] = float("nan")  # micro-batch 1, on stage 1
+    losses = [step(dm, x, False).reduce_mean().item()]
+    opt.step()
+    opt.zero_grad()
+    errors = []
+    try:
+        step(dm, bad if replica == 0 else x, where == "body" and replica == 0)
+        errors.append("no error")
+    except smpart.SmpartError as err:
+        errors.append(str(err))
+    except RuntimeError as err:  # the step body's own exception, on the replica that raised it
+        errors.append(f"{type(err).__name__}: {err}")
+    opt.zero_grad()
+    for _ in range(2):
+        out = step(dm, x, False)
+        opt.step()
+        opt.zero_grad()
+        losses.append(out.reduce_mean().item())
+    # plain arrays: a tensor put in the result queue is shared memory, which a child's exit can pull away
+    return replica, errors[0], losses, {name: value.numpy() for name, value in dm.state_dict().items()}
+
+
+def _replicas_reference(where):
+    """What the surviving steps give on one process: the failed step changes nothing."""
+    torch.manual_seed(0)
+    model = Chain()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs = [torch.linspace(-1, 1, 16, dtype=torch.float64).reshape(4, 4) * (1 + r) for r in range(2)]
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        per_replica = [model(x).square().mean() for x in xs]  # dp averages the replicas' gradients
+        (sum(per_replica) / 2).backward()
+        opt.step()
+        losses.append([loss.item() for loss in per_replica])
+    return losses, model.state_dict()
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("where", ["module", "body"])
+def test_a_step_that_fails_on_one_replica_fails_on_every_replica_and_training_goes_on(where):
+    results = run_ranks(_one_replica_fails, 4, where, timeout_s=180)
+    expected_losses, expected_state = _replicas_reference(where)
+    for result in results:
+        assert result.error is None and result.exitcode == 0, result
+        replica, error, losses, state = result.value
+        if replica == 0:
+            assert ("a bad sample" if where == "module" else "failed after its backward") in error, error
+        else:
+            assert "data-parallel replica 0" in error, error
+        assert losses == pytest.approx([step[replica] for step in expected_losses], abs=1e-9)
+        for name, value in expected_state.items():
+            torch.testing.assert_close(torch.from_numpy(state[name]), value, atol=1e-9, rtol=0)

@@ -214,3 +214,20 @@ def test_set_partition_to_a_stage_that_does_not_exist():
     model = smpart.DistributedModel(net)
     with pytest.raises(SmpartError, match="5"):
         train_step(model, torch.randn(4, 4))
+
+
+def test_a_pipeline_error_sent_on_twice_carries_its_original_traceback_once():
+    """A stage's error goes to the driver's rank and from there to every rank: pickled twice."""
+    import pickle
+
+    try:
+        try:
+            raise ValueError("a bad sample")
+        except ValueError as cause:
+            raise PipelineError("forward failed on stage 1", stage=1, rank=2) from cause
+    except PipelineError as err:
+        original = err
+    twice = pickle.loads(pickle.dumps(pickle.loads(pickle.dumps(original))))
+    assert (twice.stage, twice.rank) == (1, 2)
+    assert str(twice).startswith("forward failed on stage 1\n\nOriginal traceback (on rank 2):")
+    assert str(twice).count("Original traceback") == 1 and "ValueError: a bad sample" in str(twice)

@@ -25,6 +25,17 @@ no gradient, exactly as one process on the concatenated batch; (3) parameters th
 gradient after their bucket started (a guess too early): what arrived late, caught by a hook
 before accumulation, is averaged in one more all-reduce and added. `finish`, before the
 optimizer step, waits for every all-reduce and writes the averages into ``.grad``.
+
+**A step that fails on one replica fails on all of them.** The replicas' collectives must pair
+up step after step, and a replica whose step failed never flushes by itself (its micro-batches
+are not all released). So `finish` takes the failure: a rank whose step failed before it flushed
+flushes then, saying so, and every rank's flush (the agreement's first flag) learns whether any
+replica failed; if one did, only the buckets some replica already started are all-reduced, so
+the collectives still pair. A step can also fail after its gradients were final (in the step
+body, after the backward): so `finish` ends every step with one more small all-reduce, of which
+replica failed. When one did, no average is written anywhere: each replica keeps its own
+unaveraged gradients, and every replica's step raises (the others' naming the replica that
+failed), so no replica steps its optimizer on gradients the others do not have.
 """
 
 from __future__ import annotations
@@ -62,7 +73,7 @@ class GradientReducer:
     """Averages one stage's gradients over its dp group, step after step (see the module docstring)."""
 
     def __init__(self, params: list[nn.Parameter], group: Any, control_group: Any, size: int,
-                 bucket_bytes: int | None = None) -> None:
+                 bucket_bytes: int | None = None, replica: int = 0) -> None:
         self.group, self.control_group, self.size = group, control_group, size
         self.params = params
         by_size = _buckets(list(reversed(params)), bucket_bytes or BUCKET_BYTES)
@@ -79,6 +90,8 @@ class GradientReducer:
         self._correction: tuple[list[nn.Parameter], torch.Tensor, Any] | None = None
         self._lock = threading.Lock()
         self._armed = False
+        self._flushed = False
+        self._replica = replica  # this rank's data-parallel index, named when its step fails
         self._handles = [h for p in params for h in (p.register_hook(self._make_pre_hook(p)),
                                                      p.register_post_accumulate_grad_hook(self._accumulated))]
 
@@ -94,20 +107,25 @@ class GradientReducer:
             self._correction = None
             self.started_early = self.corrected = 0
             self._armed = True
+            self._flushed = False
 
-    def flush(self) -> None:
-        """The stage's gradients are final: start everything not started yet (collective)."""
+    def flush(self, failed: bool = False) -> None:
+        """The stage's gradients are final (or, ``failed``, this rank's step failed before they
+        were): start everything not started yet (collective). Once per step."""
         with self._lock:
+            if self._flushed:
+                return
+            self._flushed = True
             self._armed = False
             self.started_early = self._next
-            if self._count:  # a step with a backward teaches the next one its counts
+            if self._count and not failed:  # a step with a backward teaches the next one its counts
                 self._expected = dict(self._count)
             started = [int(b.started) for b in self.buckets]
             has_grad = [int(p.grad is not None) for p in self.params]
             late = [int(id(p) in self._late) for p in self.params]
-            flags = torch.tensor(started + has_grad + late, dtype=torch.uint8)
+            flags = torch.tensor([int(failed)] + started + has_grad + late, dtype=torch.uint8)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group)
-            flags = flags.tolist()
+            failed_anywhere, *flags = flags.tolist()
             nb, np_ = len(self.buckets), len(self.params)
             started_anywhere = flags[:nb]
             with_grad = {id(p) for p, f in zip(self.params, flags[nb:nb + np_], strict=True) if f}
@@ -115,8 +133,10 @@ class GradientReducer:
             for bucket in self.buckets[self._next:]:
                 if started_anywhere[bucket.index]:
                     self._start(bucket, bucket.params)
-                else:
+                elif not failed_anywhere:
                     self._start(bucket, [p for p in bucket.params if id(p) in with_grad])
+            if failed_anywhere:  # nothing will be averaged: only pair the all-reduces already under way
+                return
             self.corrected = len(late_anywhere)
             if late_anywhere:
                 extra = [self._late.get(id(p), torch.zeros_like(_local(p))) for p in late_anywhere]
@@ -124,13 +144,29 @@ class GradientReducer:
                 work = dist.all_reduce(flat, group=self.group, async_op=True)
                 self._correction = (late_anywhere, flat, work)
 
-    def finish(self) -> None:
-        """Wait for every all-reduce and write the averages into the gradients."""
+    def finish(self, failed: bool = False) -> int | None:
+        """Wait for every all-reduce and write the averages into the gradients (collective). With
+        ``failed`` (this rank's step failed), or when another replica's did, write nothing and
+        return the index of a replica whose step failed; None when every replica's step ran."""
+        self.flush(failed)  # a step that failed before its gradients were final here
         with self._lock:
+            for bucket in self.buckets:
+                if bucket.work is not None:
+                    bucket.work.wait()
+            if self._correction is not None:
+                self._correction[2].wait()
+            # the step may have failed after the flush (in the step body, after its backward)
+            who = torch.tensor([self._replica + 1 if failed else 0], dtype=torch.int64)
+            dist.all_reduce(who, op=dist.ReduceOp.MAX, group=self.control_group)
+            failing = int(who.item()) - 1  # a rank whose flush said so says so here too
+            if failing >= 0:
+                for bucket in self.buckets:
+                    bucket.flat, bucket.work = None, None
+                self._correction = None
+                return failing
             for bucket in self.buckets:
                 if bucket.work is None:
                     continue
-                bucket.work.wait()
                 bucket.flat /= self.size
                 averages = _unflatten_dense_tensors(bucket.flat, [_local(p.grad) for p in bucket.taking])
                 for p, averaged in zip(bucket.taking, averages, strict=True):
@@ -144,6 +180,7 @@ class GradientReducer:
                                     strict=True):
                     _local(p.grad).add_(extra)
                 self._correction = None
+        return None
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -152,6 +152,7 @@ class ProcessRuntime:
         #: The group `DistributedModel.state_dict` gathers over.
         self.state_group = self.setup.collective_group
         self._reducer: GradientReducer | None = None
+        self._reducer_lock = threading.Lock()
         if layout.dp > 1:
             self.server.on_gradients_final = self._start_gradient_sync
         self.steps = itertools.count()
@@ -186,18 +187,16 @@ class ProcessRuntime:
             self._check_replicas_agree(pieces)
             self._begin_gradient_sync()
             results, timeline = StepRun(self, step, fn, pieces).execute()
-            self._finish_gradient_sync()
-        except BaseException as err:
+        except BaseException as err:  # noqa: BLE001 - every rank hears of it, then it is raised here
             error = err
-            raise
-        finally:
-            result = StepResult(step, results, timeline, _shippable(error, self.rank))
-            for stage in range(1, self.num_stages):
-                try:
-                    self.transport.send(self.rank, (self.place_of_stage(stage), MAIN), result)
-                except SmpartError:  # that rank is gone; the step's own error (if any) matters more
-                    if error is None:
-                        raise
+        result = StepResult(step, results, timeline, _shippable(error, self.rank))
+        for stage in range(1, self.num_stages):
+            try:
+                self.transport.send(self.rank, (self.place_of_stage(stage), MAIN), result)
+            except SmpartError:  # that rank is gone; the step's own error (if any) matters more
+                if error is None:
+                    raise
+        self._end_step(error)
         return results, timeline
 
     def _follow(self, step: int) -> tuple[list[Any], Any]:
@@ -217,9 +216,7 @@ class ProcessRuntime:
                     raise SmpartError(f"rank {self.rank} is at step {step} but the driver's rank finished "
                                       f"step {message.step}: every rank must call the step function the same "
                                       "number of times")
-                self._finish_gradient_sync()
-                if message.error is not None:
-                    raise message.error
+                self._end_step(message.error)
                 return message.results, message.timeline
         raise PipelineError(f"rank {self.rank} heard nothing for {timeout_s} s while waiting for step {step} "
                             "to end (a hang on another rank?)", rank=self.rank)
@@ -231,17 +228,37 @@ class ProcessRuntime:
 
     def _start_gradient_sync(self, step: int) -> None:
         """The stage's gradients are final (every micro-batch released here): start what is left."""
-        params = stage_parameters(model.module for model in self.models.values())
-        if self._reducer is None or [id(p) for p in self._reducer.params] != [id(p) for p in params]:
-            if self._reducer is not None:
-                self._reducer.remove()
-            self._reducer = GradientReducer(params, self.setup.dp_group, self.setup.dp_control_group,
-                                            self.layout.dp)
-        self._reducer.flush()
+        self._current_reducer().flush()
 
-    def _finish_gradient_sync(self) -> None:
-        if self._reducer is not None:
-            self._reducer.finish()
+    def _current_reducer(self) -> GradientReducer:
+        """The reducer of the parameters this rank holds now (a new one once another model is placed)."""
+        params = stage_parameters(model.module for model in self.models.values())
+        with self._reducer_lock:  # the dispatcher's flush and the main thread's finish
+            if self._reducer is None or [id(p) for p in self._reducer.params] != [id(p) for p in params]:
+                if self._reducer is not None:
+                    self._reducer.remove()
+                self._reducer = GradientReducer(params, self.setup.dp_group, self.setup.dp_control_group,
+                                                self.layout.dp, replica=self.dp_rank)
+            return self._reducer
+
+    def _end_step(self, error: BaseException | None) -> None:
+        """Average the gradients over the data-parallel replicas, then raise the step's error if it
+        failed. A step fails on every replica when it fails on one (`data_parallel`): the others
+        raise here, naming it. A ``KeyboardInterrupt`` and the like skip the collectives."""
+        if self.layout.dp > 1 and (error is None or isinstance(error, Exception)):
+            try:
+                failing = self._current_reducer().finish(failed=error is not None)
+            except Exception:
+                if error is None:
+                    raise
+                failing = None  # the step's own error says more
+            if error is None and failing is not None:
+                error = PipelineError(
+                    f"the step failed on data-parallel replica {failing} (its ranks raised the error), so it "
+                    "fails on every replica: no gradient was averaged. Zero the gradients "
+                    "(optimizer.zero_grad()) and go on with the next step", rank=self.rank)
+        if error is not None:
+            raise error
 
     def _check_replicas_agree(self, pieces: list[tuple[tuple, dict]]) -> None:
         """Data-parallel replicas must feed batches of one size: their gradients are averaged."""

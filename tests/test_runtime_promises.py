@@ -9,6 +9,7 @@ switch off.
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from collections import Counter
 
@@ -292,6 +293,39 @@ def _on_rank(rank: int):
 @pytest.mark.timeout(120)
 def test_promised_calls_between_three_processes_train_like_the_unsplit_model():
     assert all(diff <= 1e-9 for diff in values(run_ranks(_on_rank, 3, timeout_s=110)))
+
+
+_threads: dict[tuple[int, int], set[int]] = {}  # (step, micro-batch) -> threads that ran its blocks
+
+
+class ThreadRecordingBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from smpart.runtime.calls import current_frame
+
+        frame = current_frame()
+        if frame is not None:  # None: tracing, before the first step runs
+            _threads.setdefault((frame.step, frame.microbatch), set()).add(threading.get_ident())
+        return super().forward(x)
+
+
+def _threads_of_batches(rank: int) -> dict[tuple[int, int], int]:
+    """On every rank: train the chain; on stage 1's rank, how many threads ran the blocks of each
+    (step, micro-batch)."""
+    torch.manual_seed(0)
+    model = Chain().double()
+    model.blocks = nn.ModuleList([ThreadRecordingBlock() for _ in model.blocks]).double()
+    assert _train(model, 2, _pins([1, 1, 1, 1]), steps=3) <= 1e-9
+    return {key: len(ids) for key, ids in _threads.items()}
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_of_promised_calls_runs_on_one_thread():
+    """From the second step on, the root's four calls to stage 1 come in one `Batch` per
+    micro-batch; they run one after another on one thread, not on a thread each (which woke
+    four threads at once, three of them only to wait for the turn)."""
+    counts = values(run_ranks(_threads_of_batches, 2, timeout_s=110))[1]
+    last = max(step for step, _ in counts)
+    assert [counts[(last, mb)] for mb in range(MICROBATCHES)] == [1] * MICROBATCHES, counts
 
 
 def test_the_switch_is_validated():

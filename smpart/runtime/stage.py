@@ -181,6 +181,27 @@ class StageStep:
         return (self.driver_place, driver_endpoint(self.step, microbatch))
 
 
+def _one_after_another(calls: list[Callable[[], None]]) -> Callable[[], None]:
+    """One job that serves a `Batch`'s calls in order on one thread, not a thread each.
+
+    A thread each woke them all at once, and all but one went straight back to sleep waiting
+    for the turn, on a core the first call was computing on. In order is safe: a batch holds
+    one caller's calls to this stage in program order, and a call's inputs come from calls made
+    before it, so no call waits for one behind it. A call that fails answers with its error
+    itself; one that raises past that (its answer could not be sent) does not stop the rest.
+    """
+
+    def serve() -> None:
+        for call in calls:
+            try:
+                call()
+            except BaseException:  # noqa: BLE001 - as `WorkerPool` would: report, go on with the next
+                warnings.warn(f"smpart: unexpected error in {threading.current_thread().name}:\n"
+                              f"{traceback.format_exc()}", RuntimeWarning, stacklevel=1)
+
+    return serve
+
+
 class WorkerPool:
     """Threads that run jobs; a new one starts whenever every thread is busy (a waiting call keeps
     its thread), and idle ones are reused, so a steady state starts none."""
@@ -268,7 +289,7 @@ class StageServer:
         #: stage's gradients are final): data parallelism starts averaging them then.
         self.on_gradients_final: Callable[[int], None] | None = None
         self._stopping = False
-        #: While the dispatcher admits a `Batch`: the calls to start once all are admitted.
+        #: While the dispatcher admits a `Batch`: its calls, to start once all are admitted.
         self._starting: list[Callable[[], None]] | None = None
         self._handlers: dict[type, Callable[[Any], None]] = {
             BeginStep: self._on_begin, Request: self._on_request, Response: self._on_response,
@@ -320,9 +341,9 @@ class StageServer:
             self._starting = []
             for each in message.messages:
                 self._admit(each)
-            starting, self._starting = self._starting, None
-            for start in starting:
-                start()
+            calls, self._starting = self._starting, None
+            if calls:
+                self.transport.start(_one_after_another(calls), self.workers.submit)
         else:
             self._admit(message)
 
@@ -373,12 +394,11 @@ class StageServer:
                 run.unanswered[message.promised[0]] += 1
             if promises.waits_on(message, self.address):
                 run.scheduler.reserve(claim)
-        start = lambda: self.transport.start(lambda: self._serve_call(run, message, claim),  # noqa: E731
-                                             self.workers.submit)
+        job = lambda: self._serve_call(run, message, claim)  # noqa: E731
         if self._starting is None:
-            start()
+            self.transport.start(job, self.workers.submit)
         else:
-            self._starting.append(start)
+            self._starting.append(job)
 
     def _on_response(self, message: Response) -> None:
         run = self._live(message)

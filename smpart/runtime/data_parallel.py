@@ -173,8 +173,7 @@ class GradientReducer:
                     _local(p.grad).copy_(averaged)
                 bucket.flat, bucket.work = None, None
             if self._correction is not None:
-                params, flat, work = self._correction
-                work.wait()
+                params, flat, _ = self._correction  # waited for above
                 flat /= self.size
                 for p, extra in zip(params, _unflatten_dense_tensors(flat, [_local(p) for p in params]),
                                     strict=True):

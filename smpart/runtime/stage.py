@@ -193,13 +193,18 @@ def _one_after_another(calls: list[Callable[[], None]]) -> Callable[[], None]:
 
     def serve() -> None:
         for call in calls:
-            try:
-                call()
-            except BaseException:  # noqa: BLE001 - as `WorkerPool` would: report, go on with the next
-                warnings.warn(f"smpart: unexpected error in {threading.current_thread().name}:\n"
-                              f"{traceback.format_exc()}", RuntimeWarning, stacklevel=1)
+            _run_job(call)
 
     return serve
+
+
+def _run_job(job: Callable[[], None]) -> None:
+    """Run ``job``; jobs report their own failures, so anything escaping one is only warned of."""
+    try:
+        job()
+    except BaseException:  # noqa: BLE001 - a last resort: the thread goes on with its next job
+        warnings.warn(f"smpart: unexpected error in {threading.current_thread().name}:\n"
+                      f"{traceback.format_exc()}", RuntimeWarning, stacklevel=1)
 
 
 class WorkerPool:
@@ -228,11 +233,7 @@ class WorkerPool:
             job = self._jobs.get()
             if job is None:
                 return
-            try:
-                job()
-            except BaseException:  # noqa: BLE001 - jobs report their own failures; this is a last resort
-                warnings.warn(f"smpart: unexpected error in {threading.current_thread().name}:\n"
-                              f"{traceback.format_exc()}", RuntimeWarning, stacklevel=1)
+            _run_job(job)
             with self._lock:
                 self._idle += 1
 

@@ -562,6 +562,17 @@ class StageServer:
             return
         self._announce(run, claim)
         frame = Frame(self, run.step, mb, run=run, claim=claim, since=time.time(), promised=[])
+        try:
+            self._run_call(run, request, frame, fetched)
+        finally:
+            self._step_out(frame)
+
+    def _run_call(self, run: StageStep, request: Request, frame: Frame,
+                  fetched: dict[tuple, torch.Tensor]) -> None:
+        """The body of `_serve_call`, the turn held: run the module, then answer. The answer is sent
+        before the turn is given back, as the next action would otherwise start first and take the
+        CPU (and the GIL) from the send that another stage waits for."""
+        mb = request.microbatch
         output, error, forwarded, mask, snapshots, refs = None, None, {}, (), [], False
         ambient: Ambient = request.ambient
         try:
@@ -604,8 +615,6 @@ class StageServer:
         except Exception as err:
             output, forwarded, mask, refs = None, {}, (), False
             error = as_pipeline_error(err, self.stage, request.module, mb, rank=self.rank)
-        finally:
-            self._step_out(frame)
         self._answer(run, request, output, error, forwarded, mask, snapshots, refs)
 
     def _answer(self, run: StageStep, request: Request, output: Any = None,
@@ -901,9 +910,12 @@ class StageServer:
         finally:
             posts = run.outbox.take()
             run.spans.append((mb, "backward", start, time.time()))
+        try:  # the gradients go before the turn does (see `_run_call`)
+            if not failed and not run.aborted:
+                dispatch(self.send, posts, credit, run.step, mb, run.home(mb), self.stage,
+                         run.gradients_sent[mb])
+        finally:
             run.scheduler.release(claim)
-        if not failed and not run.aborted:
-            dispatch(self.send, posts, credit, run.step, mb, run.home(mb), self.stage, run.gradients_sent[mb])
 
     def _take_backlog(self, run: StageStep, mb: int, claim: Claim) -> list[Gradients]:
         """The gradient messages this segment consumes, in the order of their origins (so that

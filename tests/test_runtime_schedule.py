@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 import smpart
+from smpart.runtime.messages import STAGE, Batch, ForwardDone, Gradients
+from smpart.runtime.runtime import current_runtime
 from smpart.runtime.schedule import FORWARD, Action, schedule_named
 from smpart.runtime.scheduler import NEW, SEGMENT, Claim, StageScheduler
 
@@ -92,6 +94,46 @@ def test_a_real_run_starts_its_actions_in_the_schedules_order(schedule, stages):
                 if event["stage"] == stage and action not in firsts:
                     firsts.append(action)
             assert firsts == timeline.started[stage]
+
+
+@pytest.mark.timeout(60)
+def test_the_end_of_a_forward_rides_with_the_gradients_of_its_loss():
+    """Every stage hears once per micro-batch that its forward is over; the stage that gets the
+    gradients of the loss hears it in the same message, before them (one message, not two)."""
+    stages, microbatches = 3, 2
+    smpart.init(pipeline_parallel_degree=stages, microbatches=microbatches,
+                pin={"": 0, "layers.0": 0, "layers.1": 1, "layers.2": 2, "layers.3": 2})
+    model = smpart.DistributedModel(Chain(depth=4))
+    x = torch.randn(4, 8, dtype=torch.float64)
+    train_step(model, x)
+    transport = current_runtime().transport
+    sent: list[tuple[tuple, object]] = []
+    send = transport.send
+
+    def recording_send(src, address, message):
+        sent.append((address, message))
+        send(src, address, message)
+
+    transport.send = recording_send  # an instance attribute: the runtime looks it up at every call
+    try:
+        train_step(model, x)
+    finally:
+        del transport.send
+    heard = {(address, m.microbatch) for address, message in sent
+             for m in (message.messages if isinstance(message, Batch) else [message])
+             if isinstance(m, ForwardDone)}
+    stage_addresses = {address for address, _ in sent if address[1] == STAGE}
+    assert len(stage_addresses) == stages
+    assert heard == {(address, mb) for address in stage_addresses for mb in range(microbatches)}
+    notices = [(address, message) for address, message in sent
+               if isinstance(message, ForwardDone) or (isinstance(message, Batch)
+                                                       and isinstance(message.messages[0], ForwardDone))]
+    assert len(notices) == stages * microbatches  # one message each, never a second one
+    together = [message for _, message in notices if isinstance(message, Batch)]
+    assert len(together) == microbatches  # one stage gets the loss's gradients, per micro-batch
+    for batch in together:
+        notice, gradients = batch.messages
+        assert isinstance(gradients, Gradients) and gradients.microbatch == notice.microbatch
 
 
 class Routed(nn.Module):

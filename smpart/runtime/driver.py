@@ -34,6 +34,7 @@ from smpart.runtime.gradients import (
 )
 from smpart.runtime.messages import (
     STAGE,
+    Batch,
     Credit,
     Fetch,
     ForwardDone,
@@ -187,24 +188,40 @@ class Driver:
             raise SmpartError(f"model.backward(loss) needs a scalar loss (got shape {tuple(loss.shape)}), "
                               "or pass the gradient: model.backward(loss, grad)")
         self.backward_called = True
-        self.finish_forward()
         scale = 1.0 / self.run.microbatches if self.run.average_grads else 1.0
         grad = torch.ones_like(loss) if grad is None else grad
         torch.autograd.backward(loss, grad * scale)
-        self._dispatch(Fraction(1))
+        self._dispatch(Fraction(1), forward_over=not self.forward_done)
+        self.forward_done = True
 
     def finish_forward(self) -> None:
         if not self.forward_done:
             self.forward_done = True
             self.run.broadcast(ForwardDone(self.run.step, self.microbatch))
 
-    def _dispatch(self, credit: Fraction) -> None:
+    def _dispatch(self, credit: Fraction, forward_over: bool = False) -> None:
+        """Send the gradients posted by a backward here. ``forward_over``: the loss's backward, and
+        the stages are still to hear that this micro-batch's forward is over: the `ForwardDone`
+        rides with the gradients to each stage that gets some (one message, not two; it was
+        always followed by them at once), and goes alone to the others, after them."""
+        run = self.run
         posts = self.outbox.take()
+        notice = ForwardDone(run.step, self.microbatch)
+        unannounced = dict.fromkeys((run.place_of_stage(s), STAGE) for s in range(run.num_stages)
+                                    ) if forward_over else {}
+
+        def send(address: Any, message: Any) -> None:
+            if address in unannounced:
+                del unannounced[address]
+                message = Batch([notice, message])
+            run.send(address, message)
+
         if posts:
-            dispatch(self.run.send, posts, credit, self.run.step, self.microbatch, self.address,
-                     counts=self.gradients_sent)
+            dispatch(send, posts, credit, run.step, self.microbatch, self.address, counts=self.gradients_sent)
         else:
             self.credit_home += credit
+        for address in unannounced:
+            run.send(address, notice)
 
     def _await_backward(self) -> None:
         """Serve our inbox until every share of the backward credit has come home."""

@@ -87,8 +87,8 @@ class Response:
 
 @dataclass(slots=True)
 class Batch:
-    """Messages for one endpoint sent as one (a frame's promised requests; see `promises`),
-    handled in their order."""
+    """Messages for one endpoint sent as one, handled in their order: a frame's promised requests
+    (see `promises`), or a driver's `ForwardDone` with the gradients of its loss."""
 
     messages: list
 

@@ -8,7 +8,8 @@ thread that delivered the message; either way one message at a time, in arrival 
 - a `Request` becomes a job that claims the stage's turn (`scheduler`) as the next forward call
   of its micro-batch, runs the module, keeps its outputs for the backward and answers (a promised
   one, whose caller went on without waiting, with a confirmation: `promises`);
-- a `Batch` is a frame's promised requests, taken in order;
+- a `Batch` is a frame's promised requests, or a `ForwardDone` with the gradients of the loss,
+  taken in order;
 - a `Response` wakes the call (or the fetch of a handle) that waits for it;
 - a `Fetch` is answered at once with a tensor the stage holds (`handles`);
 - `Gradients` join their micro-batch's backlog, and one backward segment runs for everything

@@ -193,7 +193,9 @@ def test_rank_helpers():
 def _one_replica_fails(rank, where):
     """pp 2 x dp 2: a step, then one that fails on replica 0 only (in stage 1's module, or in the
     step body after the backward), then two more. From the second step on, a replica starts its
-    all-reduce during the backward (it knows the counts): the failed replica must pair with it."""
+    all-reduce during the backward (it knows the counts): the failed replica must pair with it.
+    ``first step``: the job's first step fails on replica 0 in the body before its first model
+    call (so replica 0 has placed nothing while replica 1 has), then three steps."""
     torch.manual_seed(0)
     smpart.init(pipeline_parallel_degree=2, data_parallel_degree=2, microbatches=2, pin=PINS, timeout_s=40)
     dm = smpart.DistributedModel(Chain())
@@ -201,10 +203,12 @@ def _one_replica_fails(rank, where):
     replica = smpart.dp_rank()
 
     @smpart.step
-    def step(model, x, fail_after_backward):
+    def step(model, x, fail):
+        if fail == "before the model":
+            raise RuntimeError("the step body failed before the model")
         loss = model(x).square().mean()
         model.backward(loss)
-        if fail_after_backward:
+        if fail == "after the backward":
             raise RuntimeError("the step body failed after its backward")
         return loss
 
@@ -212,20 +216,23 @@ def _one_replica_fails(rank, where):
     bad = x.clone()
     if where == "module":
         bad[2:, 0] = float("nan")  # micro-batch 1, on stage 1
-    losses = [step(dm, x, False).reduce_mean().item()]
-    opt.step()
-    opt.zero_grad()
+    body_fails = {"body": "after the backward", "first step": "before the model"}.get(where)
+    losses = []
+    if where != "first step":
+        losses.append(step(dm, x, None).reduce_mean().item())
+        opt.step()
+        opt.zero_grad()
     errors = []
     try:
-        step(dm, bad if replica == 0 else x, where == "body" and replica == 0)
+        step(dm, bad if replica == 0 else x, body_fails if replica == 0 else None)
         errors.append("no error")
     except smpart.SmpartError as err:
         errors.append(str(err))
     except RuntimeError as err:  # the step body's own exception, on the replica that raised it
         errors.append(f"{type(err).__name__}: {err}")
     opt.zero_grad()
-    for _ in range(2):
-        out = step(dm, x, False)
+    while len(losses) < 3:
+        out = step(dm, x, None)
         opt.step()
         opt.zero_grad()
         losses.append(out.reduce_mean().item())
@@ -250,7 +257,7 @@ def _replicas_reference():
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("where", ["module", "body"])
+@pytest.mark.parametrize("where", ["module", "body", "first step"])
 def test_a_step_that_fails_on_one_replica_fails_on_every_replica_and_training_goes_on(where):
     results = run_ranks(_one_replica_fails, 4, where, timeout_s=180)
     expected_losses, expected_state = _replicas_reference()
@@ -258,7 +265,9 @@ def test_a_step_that_fails_on_one_replica_fails_on_every_replica_and_training_go
         assert result.error is None and result.exitcode == 0, result
         replica, error, losses, state = result.value
         if replica == 0:
-            assert ("a bad sample" if where == "module" else "failed after its backward") in error, error
+            expected = {"module": "a bad sample", "body": "failed after its backward",
+                        "first step": "failed before the model"}[where]
+            assert expected in error, error
         else:
             assert "data-parallel replica 0" in error, error
         assert losses == pytest.approx([step[replica] for step in expected_losses], abs=1e-9)

@@ -35,7 +35,10 @@ the collectives still pair. A step can also fail after its gradients were final 
 body, after the backward): so `finish` ends every step with one more small all-reduce, of which
 replica failed. When one did, no average is written anywhere: each replica keeps its own
 unaveraged gradients, and every replica's step raises (the others' naming the replica that
-failed), so no replica steps its optimizer on gradients the others do not have.
+failed), so no replica steps its optimizer on gradients the others do not have. A replica whose
+step failed before its first model call holds none of the stage's parameters yet, so its flags
+would not match the others' in size: a fixed-size all-reduce of the sizes goes first, and
+replicas that differ pair nothing more than it.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _unflatten_dense_tensors
+
+from smpart.errors import SmpartError
 
 #: Bytes per bucket: small enough that several start during a backward, large enough that each
 #: all-reduce is not dominated by its latency.
@@ -91,6 +96,8 @@ class GradientReducer:
         self._lock = threading.Lock()
         self._armed = False
         self._flushed = False
+        self._mismatch: SmpartError | None = None  # see `_same_parameters_everywhere`
+        self._unpairable = False
         self._replica = replica  # this rank's data-parallel index, named when its step fails
         self._handles = [h for p in params for h in (p.register_hook(self._make_pre_hook(p)),
                                                      p.register_post_accumulate_grad_hook(self._accumulated))]
@@ -108,6 +115,7 @@ class GradientReducer:
             self.started_early = self.corrected = 0
             self._armed = True
             self._flushed = False
+            self._mismatch, self._unpairable = None, False
 
     def flush(self, failed: bool = False) -> None:
         """The stage's gradients are final (or, ``failed``, this rank's step failed before they
@@ -118,15 +126,17 @@ class GradientReducer:
             self._flushed = True
             self._armed = False
             self.started_early = self._next
-            if self._count and not failed:  # a step with a backward teaches the next one its counts
-                self._expected = dict(self._count)
             started = [int(b.started) for b in self.buckets]
             has_grad = [int(p.grad is not None) for p in self.params]
             late = [int(id(p) in self._late) for p in self.params]
+            nb, np_ = len(self.buckets), len(self.params)
+            if not self._same_parameters_everywhere():
+                return  # a replica failed before it placed the model (`finish` tells)
             flags = torch.tensor([int(failed)] + started + has_grad + late, dtype=torch.uint8)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group)
             failed_anywhere, *flags = flags.tolist()
-            nb, np_ = len(self.buckets), len(self.params)
+            if self._count and not failed:  # a step with a backward teaches the next one its counts
+                self._expected = dict(self._count)
             started_anywhere = flags[:nb]
             with_grad = {id(p) for p, f in zip(self.params, flags[nb:nb + np_], strict=True) if f}
             late_anywhere = [p for p, f in zip(self.params, flags[nb + np_:], strict=True) if f]
@@ -144,21 +154,48 @@ class GradientReducer:
                 work = dist.all_reduce(flat, group=self.group, async_op=True)
                 self._correction = (late_anywhere, flat, work)
 
+    def _same_parameters_everywhere(self) -> bool:
+        """Whether every replica holds as many of this stage's parameters, in as many buckets, as this
+        one: the flags of `flush` have that many entries, so a fixed-size all-reduce comes first and
+        they cannot mismatch. Not so when a replica's step failed before its first model call in
+        the job (or before its first call of a newly placed model): it holds none of the stage's
+        parameters yet (or not the new ones). Nothing was started early then, unless one replica
+        learnt its counts with other buckets: nothing to pair, and `finish` finds the replica that
+        failed (an error if none did, or if some all-reduce was started and cannot be paired)."""
+        sizes = (len(self.params), len(self.buckets))
+        shape = torch.tensor([int(self._next > 0), *sizes, *(-n for n in sizes)], dtype=torch.int64)
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.control_group)
+        started_anywhere, most_params, most_buckets, fewest_params, fewest_buckets = shape.tolist()
+        if (most_params, most_buckets) == (-fewest_params, -fewest_buckets):
+            return True
+        what = (f"the data-parallel replicas of a stage hold different parameters ({-fewest_params} to "
+                f"{most_params} tensors)")
+        self._mismatch = SmpartError(
+            f"{what}, and one of them already averaged some during its backward: those all-reduces cannot "
+            "be paired; restart from a checkpoint" if started_anywhere else
+            f"{what} at the end of a step in which none failed: every replica must call the same models "
+            "in each step")
+        self._unpairable = bool(started_anywhere)
+        return False
+
     def finish(self, failed: bool = False) -> int | None:
         """Wait for every all-reduce and write the averages into the gradients (collective). With
         ``failed`` (this rank's step failed), or when another replica's did, write nothing and
         return the index of a replica whose step failed; None when every replica's step ran."""
         self.flush(failed)  # a step that failed before its gradients were final here
         with self._lock:
-            for bucket in self.buckets:
-                if bucket.work is not None:
-                    bucket.work.wait()
-            if self._correction is not None:
-                self._correction[2].wait()
+            if not self._unpairable:  # else an all-reduce started early has no partner
+                for bucket in self.buckets:
+                    if bucket.work is not None:
+                        bucket.work.wait()
+                if self._correction is not None:
+                    self._correction[2].wait()
             # the step may have failed after the flush (in the step body, after its backward)
             who = torch.tensor([self._replica + 1 if failed else 0], dtype=torch.int64)
             dist.all_reduce(who, op=dist.ReduceOp.MAX, group=self.control_group)
             failing = int(who.item()) - 1  # a rank whose flush said so says so here too
+            if self._mismatch is not None and (failing < 0 or self._unpairable):
+                raise self._mismatch
             if failing >= 0:
                 for bucket in self.buckets:
                     bucket.flat, bucket.work = None, None

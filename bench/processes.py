@@ -16,7 +16,10 @@ per rank (and per process on threads), trained five ways in one run of this scri
   instead of one per block of stage 1 (``--no-halves`` skips it).
 
 Besides wall-clock medians, the table gives the CPU time every thread of every process of a
-configuration used per step: the work done, much less sensitive to the machine's load.
+configuration used per step: the work done, much less sensitive to the machine's load; and the
+time those threads spent ready to run but waiting for a core. On 2 cores with both ranks
+computing, every thread beside the two computing ones takes a core from one of them, so the wait
+of the processes' compute threads is where smpart's extra threads show up as wall-clock time.
 
 The two worker processes are spawned once (`RankPool`) and stay up; the configurations alternate
 round by round (the order of the process ones rotates), so a change in the machine's load hits
@@ -205,19 +208,36 @@ def smpart_step(model, x, y):
     return loss
 
 
-def _timed(one_step: Any, warmup: int, steps: int, cpu: list[float] | None = None) -> list[float]:
+def _waited_s() -> float:
+    """Seconds the live threads of this process have spent runnable but not running, waiting for a
+    core (Linux's ``/proc/self/task/*/schedstat``; 0 where it is missing)."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9
+
+
+def _timed(one_step: Any, warmup: int, steps: int, cpu: list[float] | None = None,
+           waited: list[float] | None = None) -> list[float]:
     """Wall-clock seconds of each of ``steps`` steps after ``warmup``; appends to ``cpu`` the CPU
-    seconds per step this whole process (every thread) used meanwhile."""
+    seconds per step this whole process (every thread) used meanwhile, and to ``waited`` the
+    seconds per step its threads waited for a core."""
     for _ in range(warmup):
         one_step()
     times = []
-    cpu_start = time.process_time()
+    cpu_start, waited_start = time.process_time(), _waited_s()
     for _ in range(steps):
         start = time.perf_counter()
         one_step()
         times.append(time.perf_counter() - start)
     if cpu is not None:
         cpu.append((time.process_time() - cpu_start) / steps)
+    if waited is not None:
+        waited.append((_waited_s() - waited_start) / steps)
     return times
 
 
@@ -241,11 +261,12 @@ def run_smpart(rank: int | None, schedule: str, warmup: int, steps: int,
             last[:] = [out]
 
         cpu: list[float] = []
-        times = _timed(one_step, warmup, steps, cpu)
+        waited: list[float] = []
+        times = _timed(one_step, warmup, steps, cpu, waited)
         stages = smpart.partition_of(model).module_stages()
         assert all(stages[name] == stage for name, stage in pins.items() if name), "pins not honoured"
         return {"times": times, "bytes_sent": dict(last[0].timeline.bytes_sent),
-                "loss": last[0].reduce_mean().item(), "cpu": cpu[0]}
+                "loss": last[0].reduce_mean().item(), "cpu": cpu[0], "waited": waited[0]}
     finally:
         smpart.shutdown()
 
@@ -278,9 +299,11 @@ def run_torch(rank: int, schedule: str, warmup: int, steps: int) -> dict[str, An
 
     dist.barrier()
     cpu: list[float] = []
-    times = _timed(one_step, warmup, steps, cpu)
+    waited: list[float] = []
+    times = _timed(one_step, warmup, steps, cpu, waited)
     dist.barrier()
-    return {"times": times, "loss": torch.stack(losses).mean().item() if losses else None, "cpu": cpu[0]}
+    return {"times": times, "loss": torch.stack(losses).mean().item() if losses else None, "cpu": cpu[0],
+            "waited": waited[0]}
 
 
 def run_unsplit(warmup: int, steps: int, microbatched: bool, cpu: list[float] | None = None) -> list[float]:
@@ -319,6 +342,7 @@ def main() -> None:
         proc_configs.append(("smpart procs", "1f1b halves"))
     times: dict[tuple[str, str], list[float]] = {}
     cpu: dict[tuple[str, str], list[float]] = {}  # CPU seconds per step, all processes of the config
+    waited: dict[tuple[str, str], list[float]] = {}  # seconds per step threads waited for a core
     extra: dict[tuple[str, str], dict[str, Any]] = {}
     print(f"MLP {BLOCKS} x ({WIDTH}->{HIDDEN}->{WIDTH}) + head, batch {BATCH}, {MICROBATCHES} micro-batches, "
           f"2 stages, 1 intra-op thread per process; {a.rounds} rounds x {a.steps} timed steps "
@@ -333,11 +357,13 @@ def main() -> None:
                 result = results[0]
                 times.setdefault((name, schedule), []).extend(result["times"])
                 cpu.setdefault((name, schedule), []).append(sum(r["cpu"] for r in results))
+                waited.setdefault((name, schedule), []).append(sum(r["waited"] for r in results))
                 extra[(name, schedule)] = result
             for schedule in ("1f1b", "gpipe"):
                 result = run_smpart(None, schedule, a.warmup, a.steps)
                 times.setdefault(("smpart threads", schedule), []).extend(result["times"])
                 cpu.setdefault(("smpart threads", schedule), []).append(result["cpu"])
+                waited.setdefault(("smpart threads", schedule), []).append(result["waited"])
                 extra[("smpart threads", schedule)] = result
             for microbatched in (False, True):
                 key = ("unsplit", "4 micro-batches" if microbatched else "full batch")
@@ -349,12 +375,14 @@ def main() -> None:
     micro = med[("unsplit", "4 micro-batches")]
     ideal = micro * (MICROBATCHES + STAGES - 1) / (MICROBATCHES * STAGES)
     print(f"\n{'configuration':<16} {'schedule':<16} {'median ms':>9} {'min ms':>8} {'max ms':>8} "
-          f"{'/ ideal':>8} {'n':>4} {'CPU ms/step':>11}")
+          f"{'/ ideal':>8} {'n':>4} {'CPU ms/step':>11} {'waited ms/step':>14}")
     for key, values in times.items():
         print(f"{key[0]:<16} {key[1]:<16} {_ms(med[key]):>9} {_ms(min(values)):>8} {_ms(max(values)):>8} "
-              f"{med[key] / ideal:8.3f} {len(values):>4} {_ms(statistics.median(cpu[key])):>11}")
+              f"{med[key] / ideal:8.3f} {len(values):>4} {_ms(statistics.median(cpu[key])):>11} "
+              f"{_ms(statistics.median(waited[key])) if key in waited else '':>14}")
     print("(CPU ms/step: CPU time of every thread of every process of the configuration, per step: "
-          "the work done, whatever the machine's load)")
+          "the work done, whatever the machine's load. waited ms/step: time those threads were ready "
+          "to run but waited for a core, from /proc/self/task/*/schedstat)")
     print(f"ideal 2-stage step ((m + 1) / 2m x the micro-batched unsplit step): {ideal * 1e3:.1f} ms")
     for schedule, torch_name in (("1f1b", "Schedule1F1B"), ("gpipe", "ScheduleGPipe")):
         ratio = med[("smpart procs", schedule)] / med[("torch procs", schedule)]

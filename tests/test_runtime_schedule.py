@@ -156,6 +156,7 @@ class Routed(nn.Module):
 def test_a_stage_no_micro_batch_visits_passes_its_actions_over(schedule):
     smpart.init(pipeline_parallel_degree=3, microbatches=4, pipeline=schedule,
                 pin={"": 0, "gate": 0, "up": 1, "down": 2})
+    torch.manual_seed(0)  # the route depends on the gate's weights: with this seed, both experts are used
     model = smpart.DistributedModel(Routed())
     reference = Routed()
     reference.load_state_dict(model.state_dict())

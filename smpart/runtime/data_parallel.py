@@ -126,12 +126,12 @@ class GradientReducer:
             self._flushed = True
             self._armed = False
             self.started_early = self._next
+            if not self._same_parameters_everywhere():
+                return  # a replica failed before it placed the model (`finish` tells)
             started = [int(b.started) for b in self.buckets]
             has_grad = [int(p.grad is not None) for p in self.params]
             late = [int(id(p) in self._late) for p in self.params]
             nb, np_ = len(self.buckets), len(self.params)
-            if not self._same_parameters_everywhere():
-                return  # a replica failed before it placed the model (`finish` tells)
             flags = torch.tensor([int(failed)] + started + has_grad + late, dtype=torch.uint8)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group)
             failed_anywhere, *flags = flags.tolist()

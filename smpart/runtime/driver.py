@@ -207,8 +207,7 @@ class Driver:
         run = self.run
         posts = self.outbox.take()
         notice = ForwardDone(run.step, self.microbatch)
-        unannounced = dict.fromkeys((run.place_of_stage(s), STAGE) for s in range(run.num_stages)
-                                    ) if forward_over else {}
+        unannounced = dict.fromkeys(run.stage_addresses()) if forward_over else {}
 
         def send(address: Any, message: Any) -> None:
             if address in unannounced:

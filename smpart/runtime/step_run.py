@@ -66,12 +66,16 @@ class StepRun:
     def send(self, address: Address, message: Any) -> None:
         self.transport.send(self.place, address, message)
 
+    def stage_addresses(self) -> list[Address]:
+        """The address of every stage's server, in stage order."""
+        return [(self.place_of_stage(stage), STAGE) for stage in range(self.num_stages)]
+
     def broadcast(self, message: Any, *, best_effort: bool = False) -> None:
         """Send ``message`` to every stage; ``best_effort``: skip stages whose rank is gone (an abort
         or the end of a failed step must still reach the others)."""
-        for stage in range(self.num_stages):
+        for address in self.stage_addresses():
             try:
-                self.send((self.place_of_stage(stage), STAGE), message)
+                self.send(address, message)
             except SmpartError:
                 if not best_effort:
                     raise

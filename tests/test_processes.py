@@ -80,6 +80,12 @@ def test_zoo_grid_on_three_processes():
     _assert_report(run_ranks(_train_zoo, 3, configs, timeout_s=580))
 
 
+@pytest.mark.timeout(600)
+def test_zoo_grid_on_four_processes():
+    configs = [(name, mb, schedule) for name in ZOO for mb, schedule in ((1, "gpipe"), (4, "1f1b"))]
+    _assert_report(run_ranks(_train_zoo, 4, configs, timeout_s=580))
+
+
 # ---------------------------------------------------------------------------- placements
 def _placements(rank):
     """Nested placement, a module shared by callers on two stages, tied weights across stages."""

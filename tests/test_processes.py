@@ -82,7 +82,8 @@ def test_zoo_grid_on_three_processes():
 
 @pytest.mark.timeout(600)
 def test_zoo_grid_on_four_processes():
-    configs = [(name, mb, schedule) for name in ZOO for mb, schedule in ((1, "gpipe"), (4, "1f1b"))]
+    # One configuration per model: the suite's time is near its bound; the grids above vary the rest.
+    configs = [(name, 4, "1f1b") for name in ZOO]
     _assert_report(run_ranks(_train_zoo, 4, configs, timeout_s=580))
 
 

@@ -9,6 +9,7 @@ import itertools
 import pytest
 
 from smpart.config import Config
+from smpart.distributed import launch
 from smpart.distributed.launch import Layout, layout_for
 from smpart.errors import ConfigError
 
@@ -68,3 +69,51 @@ def test_the_device_mesh_and_groups_match_the_rank_helpers(strategy):
         pp, _, tp = coordinates
         assert groups == {"pp": sorted(layout.rank_of(s, 0, tp) for s in range(2)),
                           "tp": sorted(layout.rank_of(pp, 0, t) for t in range(2))}
+
+
+# ---------------------------------------------------------------------------- backend and devices
+def _machine(monkeypatch, gpus: int, local_processes: int) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_processes))
+
+
+@pytest.mark.parametrize(("gpus", "local", "expected"), [(0, 2, "gloo"), (2, 2, "nccl"), (8, 4, "nccl"),
+                                                         (1, 2, "gloo")])
+def test_auto_backend_is_nccl_only_with_a_gpu_per_local_process(monkeypatch, gpus, local, expected):
+    _machine(monkeypatch, gpus, local)
+    if 0 < gpus < local:
+        with pytest.warns(UserWarning, match="NCCL needs a GPU per process"):
+            assert launch._backend(Config(pipeline_parallel_degree=2)) == expected
+    else:
+        assert launch._backend(Config(pipeline_parallel_degree=2)) == expected
+
+
+@pytest.mark.parametrize(("gpus", "said"), [(0, "sees no GPU"), (1, "runs 2 processes and sees 1 GPU;")])
+def test_nccl_without_a_gpu_per_process_is_refused_with_the_way_out(monkeypatch, gpus, said):
+    _machine(monkeypatch, gpus, 2)
+    with pytest.raises(ConfigError, match=said) as err:
+        launch._backend(Config(pipeline_parallel_degree=2, backend="nccl"))
+    assert "backend='gloo'" in str(err.value)
+
+
+def test_a_rank_runs_on_its_stage_device_under_gloo_and_its_own_gpu_under_nccl(monkeypatch):
+    devices = Config(pipeline_parallel_degree=3, devices=["cpu", "cpu", "cpu"])
+    assert launch.rank_device(devices, False, 5, 2).type == "cpu"
+    assert launch.rank_device(Config(pipeline_parallel_degree=2), False, 1, 1).type == "cpu"
+    assert str(launch.rank_device(Config(pipeline_parallel_degree=2), True, 3, 1)) == "cuda:3"
+    _machine(monkeypatch, 0, 2)
+    with pytest.raises(ConfigError, match="stage 1 is to run on cuda:0, but this process sees no CUDA GPU"):
+        launch.rank_device(Config(pipeline_parallel_degree=2, devices=["cpu", "cuda:0"]), False, 1, 1)
+
+
+@pytest.mark.parametrize("strategy", ["cluster", "spread"])
+def test_message_pairs_are_the_stages_of_a_replica_and_the_shards_of_a_stage(strategy):
+    layout = Layout(pp=3, dp=2, tp=2, strategy=strategy)
+    pairs = set(launch.message_pairs(layout))
+    for a, b in itertools.permutations(range(layout.world_size), 2):
+        (pa, da, ta), (pb, db, tb) = layout.coordinates(a), layout.coordinates(b)
+        talk = (da, ta) == (db, tb) or (pa, da) == (pb, db)
+        assert ((a, b) in pairs) == talk, (a, b)

@@ -3,9 +3,14 @@
 Under ``torchrun`` every rank runs the same script; `smpart.init` calls `setup` on every rank.
 It initialises the default process group from the launcher's environment (``env://``) unless the
 user already did (then it is reused and left alone), checks that every rank asked for the same
-configuration and that the world size fits it, picks each rank's device (``LOCAL_RANK``-th GPU
-under NCCL, the CPU under gloo), and makes a gloo group of its own for the process transport
-(its headers always travel on gloo; see `smpart.distributed.transport`).
+configuration and that the world size fits it, picks each rank's device, and makes a gloo group of
+its own for the process transport (its headers always travel on gloo; see
+`smpart.distributed.transport`).
+
+Devices. Under NCCL each process owns one GPU, the ``LOCAL_RANK``-th, so ``backend="auto"`` picks
+NCCL only when the machine has a GPU for every local process (``LOCAL_WORLD_SIZE``); with fewer it
+falls back to gloo and says so. Under gloo a rank's device is ``config.devices[stage]`` when given
+(stages may share a GPU: tensors cross processes through the CPU), else the CPU.
 
 Ranks are laid out as a ``(pp, dp, tp)`` grid (`Layout`): with ``placement_strategy="cluster"``
 the tensor-parallel ranks of a stage are adjacent (they stay inside one node), with ``"spread"``
@@ -17,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from smpart.config import Config
+from smpart.distributed.transport import pair_groups
 from smpart.errors import ConfigError
 
 
@@ -90,6 +97,9 @@ class Setup:
     #: A second (gloo) group of ``dp_group``'s ranks, for small agreements on CPU that must not
     #: interleave with the gradient all-reduces in flight on ``dp_group``.
     dp_control_group: Any = None
+    #: Under NCCL, one NCCL group per ordered pair of ranks that exchange pipeline messages and
+    #: include this rank: the transport's tensors travel on them (its headers on gloo). Else None.
+    data_groups: dict[tuple[int, int], Any] | None = None
 
 
 def layout_for(config: Config, world_size: int) -> Layout:
@@ -133,14 +143,32 @@ def setup(config: Config) -> Setup:
     transport_group = dist.new_group(backend="gloo")
     _check_same_config(config, rank, transport_group)
     layout = layout_for(config, world)
-    device = torch.device("cuda", local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    nccl = dist.get_backend() == "nccl"
+    device = rank_device(config, nccl, local_rank, layout.coordinates(rank)[0])
+    if nccl:
+        torch.cuda.set_device(device)  # the transport sends and receives on the current device
     collective_group = dist.new_group(backend="gloo")
-    mesh = device_mesh(layout, device.type)
+    mesh = device_mesh(layout, "cuda" if nccl else "cpu")
     groups = {name: mesh.get_group(name) if size > 1 else None
               for name, size in (("pp", layout.pp), ("dp", layout.dp), ("tp", layout.tp))}
+    data_groups = pair_groups(message_pairs(layout), "nccl") if nccl else None
     return Setup(rank, world, local_rank, layout, device, dist.get_backend(), transport_group, created,
                  collective_group, groups["dp"], groups["pp"], groups["tp"], mesh,
-                 _dp_control_group(layout, rank))
+                 _dp_control_group(layout, rank), data_groups)
+
+
+def message_pairs(layout: Layout) -> list[tuple[int, int]]:
+    """Every ordered pair of ranks that exchange pipeline messages: the stages of one replica
+    (any stage may call any other) and the tensor-parallel ranks of one stage."""
+    pairs: set[tuple[int, int]] = set()
+    for dp in range(layout.dp):
+        for tp in range(layout.tp):
+            stages = [layout.rank_of(pp, dp, tp) for pp in range(layout.pp)]
+            pairs.update((a, b) for a in stages for b in stages if a != b)
+        for pp in range(layout.pp):
+            shards = [layout.rank_of(pp, dp, tp) for tp in range(layout.tp)]
+            pairs.update((a, b) for a in shards for b in shards if a != b)
+    return sorted(pairs)
 
 
 def _dp_control_group(layout: Layout, rank: int) -> Any:
@@ -172,15 +200,37 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def rank_device(config: Config, nccl: bool, local_rank: int, stage: int) -> torch.device:
+    """This rank's device: its own GPU under NCCL, else its stage's entry of ``config.devices``,
+    else the CPU."""
+    if nccl:
+        return torch.device("cuda", local_rank)
+    if config.devices:
+        device = torch.device(config.devices[min(stage, len(config.devices) - 1)])
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"devices: stage {stage} is to run on {device}, but this process sees no "
+                              "CUDA GPU; name 'cpu' for it")
+        return device
+    return torch.device("cpu")
+
+
 def _backend(config: Config) -> str:
     if dist.is_initialized():
         return dist.get_backend()
-    if config.backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("backend='nccl' needs CUDA GPUs, and this process sees none; use backend='gloo' "
-                          "(or 'auto') on CPU")
-    if config.backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return config.backend
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if config.backend == "nccl" and gpus < local:
+        seen = f"sees {gpus} GPU{'s' * (gpus != 1)}" if gpus else "sees no GPU"
+        raise ConfigError(f"backend='nccl' gives every process a GPU of its own, but this machine runs "
+                          f"{local} processes and {seen}; launch at most {gpus} per machine, or use "
+                          "backend='gloo' (devices=['cuda:0', ...] puts stages on a shared GPU)")
+    if config.backend != "auto":
+        return config.backend
+    if 0 < gpus < local:
+        warnings.warn(f"smpart: {local} processes on this machine and {gpus} GPU{'s' * (gpus != 1)}: NCCL "
+                      "needs a GPU per process, so the backend is gloo and stages run where `devices` "
+                      "says (default: the CPU)", stacklevel=4)
+    return "nccl" if gpus >= local and gpus > 0 else "gloo"
 
 
 def _check_same_config(config: Config, rank: int, group: Any) -> None:

@@ -127,19 +127,20 @@ _WAKE = _Wake()
 _CLOSE = object()
 
 
-def pair_groups(ranks: Iterable[int], backend: str = "nccl") -> dict[tuple[int, int], Any]:
-    """One process group per ordered pair of ``ranks``, for ``data_groups``; the result holds the
-    pairs that include this rank. Collective: every rank of the default group calls it with the
-    same arguments (``dist.new_group`` is)."""
-    ranks = sorted(ranks)
+def pair_groups(ranks_or_pairs: Iterable[Any], backend: str = "nccl") -> dict[tuple[int, int], Any]:
+    """One process group per ordered pair, for ``data_groups``: every pair of the given ranks, or
+    the given ``(src, dst)`` pairs. The result holds the pairs that include this rank. Collective:
+    every rank of the default group calls it with the same arguments (``dist.new_group`` is)."""
+    items = list(ranks_or_pairs)
+    if all(isinstance(item, int) for item in items):
+        ranks = sorted(items)
+        items = [(src, dst) for src in ranks for dst in ranks if src != dst]
     me = dist.get_rank()
     groups = {}
-    for src in ranks:
-        for dst in ranks:
-            if src != dst:
-                group = dist.new_group([src, dst], backend=backend)
-                if me in (src, dst):
-                    groups[(src, dst)] = group
+    for src, dst in items:
+        group = dist.new_group([src, dst], backend=backend)
+        if me in (src, dst):
+            groups[(src, dst)] = group
     return groups
 
 

@@ -140,7 +140,8 @@ class ProcessRuntime:
         peers = sorted({*replica, *shards} - {self.rank})
         self.transport = RoutedTransport(
             lambda deliver: ProcessTransport(self.rank, self.setup.world_size, self.setup.transport_group,
-                                             timeout_s=config.timeout_s, peers=peers, deliver=deliver),
+                                             data_groups=self.setup.data_groups, timeout_s=config.timeout_s,
+                                             peers=peers, deliver=deliver),
             self.rank, direct=config.direct_dispatch)
         self.server = StageServer(self.stage, self.num_stages, self.rank, self.setup.device, self.transport,
                                   self.place_of_stage, rank=self.rank,

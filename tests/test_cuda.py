@@ -1,0 +1,196 @@
+"""Stages on CUDA: the thread runtime with stages sharing one GPU or split between CPU and GPU,
+and one process per stage over gloo with each stage on a GPU (tensors cross through the CPU), and,
+with two GPUs or more, over NCCL (tensors cross on the GPU). Each trains like the unsplit model on
+the CPU. Skipped where torch sees no GPU (CI has none); run them on a GPU machine with
+``pytest tests/test_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import smpart
+from examples.models import ZOO
+from tests.launch import run_ranks, values
+from tests.test_runtime import reference_step
+
+TOL = 1e-6
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+needs_gpu = pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU")
+needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="NCCL needs a GPU per process: two GPUs")
+
+
+def _device_of(output) -> torch.device:
+    return next(leaf.device for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor))
+
+
+def _train(name: str, stages: int, microbatches: int, schedule: str, steps: int = 2, **init) -> dict:
+    """Train the zoo model pipelined as configured and unsplit on the CPU; the worst differences
+    (losses, gradients before each step, state dict after) and where the parameters ended up."""
+    example = ZOO[name](dtype=torch.float64)
+    reference = copy.deepcopy(example.model)
+    smpart.init(pipeline_parallel_degree=stages, microbatches=microbatches, pipeline=schedule,
+                timeout_s=60, **init)
+    model = smpart.DistributedModel(example.model)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+
+    @smpart.step
+    def step(model, args, kwargs, target):
+        output = model(*args, **kwargs)
+        loss = example.loss(output, target.to(_device_of(output)))
+        model.backward(loss)
+        return loss
+
+    worst = {"loss": 0.0, "grad": 0.0}
+    for seed in range(steps):
+        args, kwargs, target = example.batch(4, seed=seed)
+        out = step(model, args, kwargs, target)
+        expected = reference_step(reference, example, args, kwargs, target, microbatches)
+        worst["loss"] = max(worst["loss"], (out.stack().cpu() - expected).abs().max().item())
+        if not torch.distributed.is_initialized():  # on processes each rank holds only its own grads
+            for (_, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+                if q.grad is not None and p.grad is not None:
+                    worst["grad"] = max(worst["grad"], (p.grad.cpu() - q.grad).abs().max().item())
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    full = model.state_dict()
+    worst["state"] = max((full[k].double().cpu() - v).abs().max().item()
+                         for k, v in reference.state_dict().items())
+    worst["devices"] = sorted({str(p.device) for p in model.parameters() if p.device.type != "meta"})
+    worst["bytes_sent"] = sum(out.timeline.bytes_sent.values())
+    smpart.shutdown()
+    return worst
+
+
+def _assert_close(worst: dict, context) -> None:
+    for key in ("loss", "grad", "state"):
+        assert worst[key] <= TOL, (context, key, worst[key])
+
+
+@needs_gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(ZOO))
+def test_stages_sharing_one_gpu_on_threads(name):
+    for schedule in ("gpipe", "1f1b"):
+        worst = _train(name, 2, 4, schedule, devices=["cuda:0", "cuda:0"])
+        _assert_close(worst, (name, schedule))
+        assert worst["devices"] == ["cuda:0"]
+
+
+@needs_gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["gpt2", "moe", "t5", "resnet"])
+def test_stages_split_between_cpu_and_gpu_on_threads(name):
+    worst = _train(name, 3, 4, "1f1b", devices=["cpu", "cuda:0", "cpu"])
+    _assert_close(worst, name)
+    assert worst["devices"] == ["cpu", "cuda:0"]
+
+
+def _train_on_ranks(rank, configs, init):
+    return [(config, _train(*config, **init)) for config in configs]
+
+
+def _assert_ranks(results) -> None:
+    for report in values(results):
+        for config, worst in report:
+            _assert_close(worst, config)
+
+
+@needs_gpu
+@pytest.mark.timeout(600)
+def test_one_process_per_stage_on_one_shared_gpu_over_gloo():
+    configs = [(name, 2, 4, "1f1b") for name in ZOO] + [("gpt2", 2, 2, "gpipe")]
+    results = run_ranks(_train_on_ranks, 2, configs, {"backend": "gloo", "devices": ["cuda:0", "cuda:0"]},
+                        timeout_s=580)
+    _assert_ranks(results)
+    for report in values(results):
+        assert all(worst["devices"] == ["cuda:0"] and worst["bytes_sent"] > 0 for _, worst in report)
+
+
+@needs_two_gpus
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, min(GPUS, 4)])
+def test_one_process_per_gpu_over_nccl(world):
+    configs = [(name, world, 4, "1f1b") for name in ZOO] + [("gpt2", world, 2, "gpipe")]
+    results = run_ranks(_train_on_ranks, world, configs, {"backend": "nccl"}, timeout_s=580)
+    _assert_ranks(results)
+    for rank, report in enumerate(values(results)):
+        assert all(worst["devices"] == [f"cuda:{rank}"] for _, worst in report)
+
+
+def _auto_backend(rank):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60)
+    backend = torch.distributed.get_backend()
+    said = [str(w.message) for w in caught if "smpart" in str(w.message)]
+    smpart.shutdown()
+    return backend, said, os.environ["LOCAL_WORLD_SIZE"]
+
+
+@needs_gpu
+@pytest.mark.skipif(GPUS >= 2, reason="checks the fallback when the GPUs are fewer than the processes")
+@pytest.mark.timeout(120)
+def test_auto_backend_falls_back_to_gloo_with_fewer_gpus_than_processes():
+    for backend, said, local in values(run_ranks(_auto_backend, 2, timeout_s=100)):
+        assert backend == "gloo"
+        assert said and "NCCL needs a GPU per process" in said[0], said
+        assert local == "2"
+
+
+def _synchronising_calls(fn) -> list[str]:
+    """Where ``fn`` made the host wait for the GPU (``torch.cuda.set_sync_debug_mode``), as
+    ``file:line: message``; warnings from every thread are recorded."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+
+
+@needs_gpu
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_pipelined_step_makes_the_host_wait_for_the_gpu_no_more_than_the_unsplit_model(schedule):
+    # A step that waits for the GPU stalls the kernel queue: the host's overhead then adds to the
+    # GPU's time instead of hiding behind it.
+    example = ZOO["gpt2"](dtype=torch.float32)
+    reference = copy.deepcopy(example.model).cuda()
+    args, kwargs, target = example.batch(8, seed=0)
+    args, target = [a.cuda() for a in args], target.cuda()
+
+    def unsplit():
+        for i in range(4):
+            loss = example.loss(reference(*[a.chunk(4)[i] for a in args]), target.chunk(4)[i])
+            (loss / 4).backward()
+
+    smpart.init(pipeline_parallel_degree=2, microbatches=4, pipeline=schedule, devices=["cuda:0", "cuda:0"])
+    model = smpart.DistributedModel(example.model)
+
+    @smpart.step
+    def step(model, args, target):
+        loss = example.loss(model(*args), target)
+        model.backward(loss)
+        return loss
+
+    unsplit()
+    step(model, args, target)  # the first step traces and places the model
+    expected = _synchronising_calls(unsplit)
+    found = _synchronising_calls(lambda: step(model, args, target))
+    assert len(found) <= len(expected), "\n".join(found)

@@ -1,0 +1,117 @@
+"""The thread runtime with its stages on one GPU: what splitting costs when kernels run on a GPU.
+
+GPT-2 small (124M parameters, float32 with TF32 matrix products), a batch of ``--batch`` sequences
+of ``--seq`` tokens in 4 micro-batches: the unsplit model (the same 4 micro-batches, gradients
+accumulated) against smpart on threads with 2 and 4 stages, all on ``cuda:0``. Stages sharing one
+GPU cannot run faster than the unsplit model (their kernels share it): the ratio is the runtime's
+overhead with GPU kernels. Median step time over ``--steps`` after 3 warm-up steps, and the GPU's
+peak allocated memory. Needs a CUDA GPU.
+
+    python bench/cuda.py [--batch 8] [--seq 512] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import smpart  # noqa: E402
+from examples.models import gpt2_small  # noqa: E402
+
+MICROBATCHES = 4
+
+
+def _timed(step, steps: int) -> tuple[float, float]:
+    """Median seconds per step and peak GiB allocated, after 3 warm-up steps."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+
+
+def unsplit(example, batch, steps: int) -> tuple[float, float]:
+    model = copy.deepcopy(example.model).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    args, _, target = batch
+    args, target = [a.cuda() for a in args], target.cuda()
+
+    def step():
+        for i in range(MICROBATCHES):
+            piece = [a.chunk(MICROBATCHES)[i] for a in args]
+            loss = example.loss(model(*piece), target.chunk(MICROBATCHES)[i])
+            (loss / MICROBATCHES).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return _timed(step, steps)
+
+
+def split(example, batch, steps: int, stages: int, schedule: str) -> tuple[float, float]:
+    smpart.init(pipeline_parallel_degree=stages, microbatches=MICROBATCHES, pipeline=schedule,
+                devices=["cuda:0"] * stages)
+    model = smpart.DistributedModel(copy.deepcopy(example.model))
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
+    args, _, target = batch
+    args, target = [a.cuda() for a in args], target.cuda()
+
+    @smpart.step
+    def train_step(model, args, target):
+        loss = example.loss(model(*args), target)
+        model.backward(loss)
+        return loss
+
+    def step():
+        train_step(model, args, target)
+        opt.step()
+        opt.zero_grad()
+
+    try:
+        return _timed(step, steps)
+    finally:
+        smpart.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=10)
+    a = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/cuda.py needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    example = gpt2_small(seq_len=a.seq)
+    batch = example.batch(a.batch, seed=0)
+    table = Table(title=f"GPT-2 small on {torch.cuda.get_device_name()}: batch {a.batch} x {a.seq} tokens, "
+                        f"{MICROBATCHES} micro-batches, float32 (TF32)")
+    for column in ("configuration", "step ms", "÷ unsplit", "peak GiB"):
+        table.add_column(column, justify="left" if column == "configuration" else "right")
+    base, base_mem = unsplit(example, batch, a.steps)
+    table.add_row("unsplit", f"{base * 1e3:.1f}", "1.00", f"{base_mem:.2f}")
+    for stages in (2, 4):
+        for schedule in ("gpipe", "1f1b"):
+            seconds, mem = split(example, batch, a.steps, stages, schedule)
+            table.add_row(f"smpart threads, {stages} stages on cuda:0, {schedule}", f"{seconds * 1e3:.1f}",
+                          f"{seconds / base:.2f}", f"{mem:.2f}")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,7 @@ GPU cannot run faster than the unsplit model (their kernels share it): the ratio
 overhead with GPU kernels. Median step time over ``--steps`` after 3 warm-up steps, and the GPU's
 peak allocated memory. Needs a CUDA GPU.
 
-    python bench/cuda.py [--batch 8] [--seq 512] [--steps 10]
+    python bench/gpu_stages.py [--batch 8] [--seq 512] [--steps 10]
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     a = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench/cuda.py needs a CUDA GPU")
+        sys.exit("bench/gpu_stages.py needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = True
     example = gpt2_small(seq_len=a.seq)
     batch = example.batch(a.batch, seed=0)

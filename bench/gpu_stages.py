@@ -4,8 +4,9 @@ GPT-2 small (124M parameters, float32 with TF32 matrix products), a batch of ``-
 of ``--seq`` tokens in 4 micro-batches: the unsplit model (the same 4 micro-batches, gradients
 accumulated) against smpart on threads with 2 and 4 stages, all on ``cuda:0``. Stages sharing one
 GPU cannot run faster than the unsplit model (their kernels share it): the ratio is the runtime's
-overhead with GPU kernels. Median step time over ``--steps`` after 3 warm-up steps, and the GPU's
-peak allocated memory. Needs a CUDA GPU.
+overhead with GPU kernels. Median step time over ``--steps`` after 3 warm-up steps, the GPU's
+kernel time in one profiled step (above the unsplit model's: the GPU did more work; equal, with a
+slower step: the host held it up), and the peak allocated memory. Needs a CUDA GPU.
 
     python bench/gpu_stages.py [--batch 8] [--seq 512] [--steps 10]
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -31,8 +33,9 @@ from examples.models import gpt2_small  # noqa: E402
 MICROBATCHES = 4
 
 
-def _timed(step, steps: int) -> tuple[float, float]:
-    """Median seconds per step and peak GiB allocated, after 3 warm-up steps."""
+def _timed(step, steps: int) -> tuple[float, float, float]:
+    """Median seconds per step, peak GiB allocated, and the GPU's kernel time in one more step
+    (seconds, from `torch.profiler`: more than the unsplit model's means more work on the GPU)."""
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -43,10 +46,16 @@ def _timed(step, steps: int) -> tuple[float, float]:
         step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernel_us = sum(e.time_range.elapsed_us() for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA)
+    return statistics.median(times), peak, kernel_us / 1e6
 
 
-def unsplit(example, batch, steps: int) -> tuple[float, float]:
+def unsplit(example, batch, steps: int) -> tuple[float, float, float]:
     model = copy.deepcopy(example.model).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     args, _, target = batch
@@ -63,7 +72,7 @@ def unsplit(example, batch, steps: int) -> tuple[float, float]:
     return _timed(step, steps)
 
 
-def split(example, batch, steps: int, stages: int, schedule: str) -> tuple[float, float]:
+def split(example, batch, steps: int, stages: int, schedule: str) -> tuple[float, float, float]:
     smpart.init(pipeline_parallel_degree=stages, microbatches=MICROBATCHES, pipeline=schedule,
                 devices=["cuda:0"] * stages)
     model = smpart.DistributedModel(copy.deepcopy(example.model))
@@ -100,16 +109,19 @@ def main() -> None:
     example = gpt2_small(seq_len=a.seq)
     batch = example.batch(a.batch, seed=0)
     table = Table(title=f"GPT-2 small on {torch.cuda.get_device_name()}: batch {a.batch} x {a.seq} tokens, "
-                        f"{MICROBATCHES} micro-batches, float32 (TF32)")
-    for column in ("configuration", "step ms", "÷ unsplit", "peak GiB"):
+                        f"{MICROBATCHES} micro-batches, float32 (TF32); smpart's stages on threads, "
+                        "all on cuda:0")
+    for column in ("configuration", "step ms", "÷ unsplit", "GPU kernel ms", "÷ unsplit ", "peak GiB"):
         table.add_column(column, justify="left" if column == "configuration" else "right")
-    base, base_mem = unsplit(example, batch, a.steps)
-    table.add_row("unsplit", f"{base * 1e3:.1f}", "1.00", f"{base_mem:.2f}")
+    base, base_mem, base_kernels = unsplit(example, batch, a.steps)
+    table.add_row("unsplit", f"{base * 1e3:.1f}", "1.00", f"{base_kernels * 1e3:.1f}", "1.00",
+                  f"{base_mem:.2f}")
     for stages in (2, 4):
         for schedule in ("gpipe", "1f1b"):
-            seconds, mem = split(example, batch, a.steps, stages, schedule)
-            table.add_row(f"smpart threads, {stages} stages on cuda:0, {schedule}", f"{seconds * 1e3:.1f}",
-                          f"{seconds / base:.2f}", f"{mem:.2f}")
+            seconds, mem, kernels = split(example, batch, a.steps, stages, schedule)
+            table.add_row(f"smpart, {stages} stages, {schedule}", f"{seconds * 1e3:.1f}",
+                          f"{seconds / base:.2f}", f"{kernels * 1e3:.1f}", f"{kernels / base_kernels:.2f}",
+                          f"{mem:.2f}")
     Console().print(table)
 
 

@@ -48,7 +48,8 @@ class Config:
     #: Weight of memory against compute in each module's cost (0: compute only, 1: memory only).
     memory_weight: float = 0.8
     #: Device of each stage, e.g. ["cuda:0", "cuda:1"] or ["cpu", "cpu"]; None: one CUDA device
-    #: per stage when there are enough, else CPU.
+    #: per stage when there are enough, else CPU. Under torchrun it applies with gloo (stages may
+    #: share a GPU); under NCCL each rank takes its own GPU, the LOCAL_RANK-th.
     devices: list[str] | None = None
     #: Trace on the "meta" device (no weights touched) or on the "real" devices (measures time).
     trace_device: str = "meta"

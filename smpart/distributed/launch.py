@@ -229,7 +229,7 @@ def _backend(config: Config) -> str:
     if 0 < gpus < local:
         warnings.warn(f"smpart: {local} processes on this machine and {gpus} GPU{'s' * (gpus != 1)}: NCCL "
                       "needs a GPU per process, so the backend is gloo and stages run where `devices` "
-                      "says (default: the CPU)", stacklevel=4)
+                      "says (default: the CPU)", stacklevel=5)
     return "nccl" if gpus >= local and gpus > 0 else "gloo"
 
 

@@ -34,6 +34,9 @@ import smpart  # noqa: E402
 from examples.models import gpt2_small  # noqa: E402
 
 MICROBATCHES = 4
+#: Steps before the one counted: a stage learns from each step how many gradient messages each
+#: of its calls gets, and the counts settle as the other stages hold back too (4 stages: 4 steps).
+WARMUP_STEPS = 5
 TINY = {"seq_len": 16, "vocab_size": 256, "n_embd": 32, "n_head": 2}
 
 
@@ -82,7 +85,8 @@ def split_counts(example, stages: int, pins: dict[str, int]) -> dict[str, int]:
             model.backward(loss)
             return loss
 
-        step(model, args, target)  # places the model
+        for _ in range(WARMUP_STEPS):  # the first places the model; holding learns from the last
+            step(model, args, target)
         model.zero_grad()
         return _count_accumulations(model, lambda: step(model, args, target))
     finally:

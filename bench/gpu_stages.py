@@ -4,7 +4,7 @@ GPT-2 small (124M parameters, float32 with TF32 matrix products), a batch of ``-
 of ``--seq`` tokens in 4 micro-batches: the unsplit model (the same 4 micro-batches, gradients
 accumulated) against smpart on threads with 2 and 4 stages, all on ``cuda:0``. Stages sharing one
 GPU cannot run faster than the unsplit model (their kernels share it): the ratio is the runtime's
-overhead with GPU kernels. Median step time over ``--steps`` after 3 warm-up steps, the GPU's
+overhead with GPU kernels. Median step time over ``--steps`` after 6 warm-up steps, the GPU's
 kernel time in one profiled step (above the unsplit model's: the GPU did more work; equal, with a
 slower step: the host held it up), and the peak allocated memory. Needs a CUDA GPU.
 
@@ -31,12 +31,15 @@ import smpart  # noqa: E402
 from examples.models import gpt2_small  # noqa: E402
 
 MICROBATCHES = 4
+WARMUP_STEPS = 6
 
 
 def _timed(step, steps: int) -> tuple[float, float, float]:
     """Median seconds per step, peak GiB allocated, and the GPU's kernel time in one more step
-    (seconds, from `torch.profiler`: more than the unsplit model's means more work on the GPU)."""
-    for _ in range(3):
+    (seconds, from `torch.profiler`: more than the unsplit model's means more work on the GPU).
+    Warm-up: the first step places the model, and the stages learn from each step how many
+    gradient messages to wait for (`gradients.Holding`; 4 stages settle in 4 steps)."""
+    for _ in range(WARMUP_STEPS):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -65,6 +65,7 @@ class Driver:
         self.outbox = Outbox()
         self.gradients_sent: dict = {}  # endpoint -> gradient messages sent (their origins)
         self.credit_home = Fraction(0)
+        self.holding: set[Any] = set()  # stages that hold gradients of this micro-batch back
         self.backward_called = False
         self.forward_done = False
         self.passed_turn = False
@@ -223,10 +224,25 @@ class Driver:
             run.send(address, notice)
 
     def _await_backward(self) -> None:
-        """Serve our inbox until every share of the backward credit has come home."""
+        """Serve our inbox until every share of the backward credit has come home and no stage
+        holds gradients back: those still holding then are flushed (a message they expected
+        did not come; see `gradients`), and the credit goes round once more."""
         deadline = time.monotonic() + self.run.timeout_s
-        while self.credit_home < 1:
-            self._next(deadline, "the backward pass to finish")
+        flushed: set[Any] = set()
+        while True:
+            while self.credit_home < 1:
+                self._next(deadline, "the backward pass to finish")
+            if not self.holding:
+                return
+            if self.holding & flushed:  # a flushed stage holds nothing back: a bug, not a wait
+                raise SmpartError(f"stages {sorted(self.holding & flushed)} still hold gradients of "
+                                  f"micro-batch {self.microbatch} after a flush")
+            # What a flushed stage sends may make another hold: at most one round per stage.
+            flushed |= self.holding
+            self.credit_home = Fraction(0)
+            share, run = Fraction(1, len(self.holding)), self.run
+            for address in sorted(self.holding):
+                run.send(address, Gradients(run.step, self.microbatch, [], share, (-2, 0), flush=True))
 
     # ================================================================ inbox
     def _next(self, deadline: float, waiting_for: str) -> Any:
@@ -237,6 +253,9 @@ class Driver:
             return None
         if isinstance(message, Credit):
             self.credit_home += message.amount
+            if message.holding is not None:
+                address, holds = message.holding
+                (self.holding.add if holds else self.holding.discard)(address)
             return None
         if isinstance(message, Gradients):
             try:

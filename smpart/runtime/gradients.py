@@ -8,19 +8,38 @@ residual whose branches live on different stages) is traversed once per batch. G
 retained: a later message of the same micro-batch may need the same graph again (correct by
 linearity; the graphs go when the micro-batch is released).
 
+**Holding, so that each part of the graph is traversed once.** Messages of one micro-batch that
+arrive apart would each walk the graph upstream of their tensors: when a block is split between
+stages, the residual stream crosses back and forth, its gradient comes back in pieces, and every
+piece re-ran the whole backward before it (GPT-2 small cut inside a block ran blocks 0-3 three
+times). So a stage learns, from the last step, how many gradient messages each of its kept
+calls gets (`Holding.expected`). While a kept tensor still waits for one, the graph upstream of
+it (``blocked``) is not entered: the segment runs ``autograd.backward`` with ``inputs`` limited
+to what lies before that part (the parameters, the `_Arrive` nodes that post gradients, and the
+blocked nodes at its edge, whose incoming gradients a pre-hook keeps in ``pending`` instead of
+passing on). When the last expected message is in, the kept gradients go in with it, as
+``GradientEdge`` roots, and the blocked part runs once with everything. A guess that is wrong
+costs time, never correctness: a message that was not expected runs its own segment (as
+without holding), and one that never comes is caught when the micro-batch's credit is all home
+while a stage still holds gradients: the driver sends it a flush (`Gradients` with ``flush``),
+which releases them. Leaves never block (accumulating into ``.grad`` twice is how autograd
+handles a tied weight too). Tensor parallelism runs call by call and does not hold.
+
 While a segment runs, the `_Arrive` nodes it reaches post gradient messages into an `Outbox`;
 when it ends, `dispatch` sends them with their share of the segment's credit (see `messages`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from smpart.runtime.boundary import walk
+from smpart.runtime.boundary import _Arrive, walk
 from smpart.runtime.messages import Address, Credit, Gradients
 
 #: call_id -> (module name, kept tensors indexed like the call's tensors; None: no grad needed)
@@ -89,8 +108,66 @@ def restore_requires_grad(value: Any, mask: tuple[int, ...]) -> None:
     walk(value, visit)
 
 
+class Holding:
+    """What a stage holds back of one micro-batch's backward (see the module docstring)."""
+
+    __slots__ = ("expected", "received", "pending", "flushing", "reported")
+
+    def __init__(self, expected: Callable[[Any, bool], int]) -> None:
+        #: ``expected(call_id, to_outputs)``: gradient messages the kept call should get (0: none
+        #: expected, or not known).
+        self.expected = expected
+        self.received: dict[tuple[Any, bool], int] = {}
+        #: Blocked autograd nodes -> {output index: the gradient that reached it meanwhile}.
+        self.pending: dict[Any, dict[int, torch.Tensor]] = {}
+        self.flushing = False  # the driver said nothing more will come: hold nothing back
+        self.reported = False  # the driver was told this stage holds gradients
+
+    def count(self, messages: list[Gradients]) -> None:
+        for message in messages:
+            self.flushing = self.flushing or message.flush
+            for key in {(call_id, to_outputs) for call_id, to_outputs, _ in message.parts}:
+                self.received[key] = self.received.get(key, 0) + 1
+
+    def waiting(self, served: CallRecords, sent: CallRecords) -> list[torch.Tensor]:
+        """Kept tensors whose calls still expect a gradient message."""
+        if self.flushing:
+            return []
+        found = []
+        for records, to_outputs in ((served, True), (sent, False)):
+            for call_id, (_, kept) in records.items():
+                key = (call_id, to_outputs)
+                if self.received.get(key, 0) < self.expected(*key):
+                    found.extend(t for t in kept if t is not None)
+        return found
+
+    def keep(self, node: Any, index: int, grad: torch.Tensor) -> None:
+        grads = self.pending.setdefault(node, {})
+        grads[index] = grads[index] + grad if index in grads else grad
+
+    def capture(self, node: Any) -> Callable[[tuple], tuple]:
+        """A pre-hook for blocked ``node``: keep what reaches it, pass nothing on."""
+
+        def hook(grad_outputs: tuple) -> tuple:
+            for index, grad in enumerate(grad_outputs):
+                if grad is not None:
+                    self.keep(node, index, grad)
+            return tuple(None for _ in grad_outputs)
+
+        return hook
+
+    def take(self, nodes: Any = None) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+        """The kept gradients of ``nodes`` (default: all) as roots, no longer kept."""
+        roots, grads = [], []
+        for node in list(self.pending) if nodes is None else nodes:
+            for index, grad in self.pending.pop(node).items():
+                roots.append(GradientEdge(node, index))
+                grads.append(grad)
+        return roots, grads
+
+
 def backpropagate(served: CallRecords, sent: CallRecords, messages: list[Gradients],
-                  call_by_call: bool = False) -> None:
+                  call_by_call: bool = False, holding: Holding | None = None) -> None:
     """One backward segment: every message's gradients land on the tensors its call kept (the
     outputs this endpoint ``served``, or the arguments it ``sent``), in one ``backward`` call.
 
@@ -116,10 +193,106 @@ def backpropagate(served: CallRecords, sent: CallRecords, messages: list[Gradien
                 targets[id(tensor)] = [tensor, grad]
             else:
                 entry[1] = entry[1] + grad
+    if holding is not None and not call_by_call and edges_supported():
+        holding.count(messages)
+        targets = groups.get(None, {})
+        _held_backward(holding, [t for t, _ in targets.values()], [g for _, g in targets.values()],
+                       holding.waiting(served, sent))
+        return
     for targets in groups.values():
         if targets:
             tensors, grads = zip(*targets.values(), strict=True)
             torch.autograd.backward(list(tensors), list(grads), retain_graph=True)
+
+
+def _held_backward(holding: Holding, tensors: list[torch.Tensor], grads: list[torch.Tensor],
+                   waiting: list[torch.Tensor]) -> None:
+    """Back-propagate ``grads`` into ``tensors`` except into the graph upstream of ``waiting``,
+    whose gradients stay in ``holding`` until nothing waits any more."""
+    if not waiting:  # everything is in: one pass over what is left, kept gradients included
+        roots, kept = holding.take()
+        if tensors or roots:
+            torch.autograd.backward([*tensors, *roots], [*grads, *kept], retain_graph=True)
+        return
+    blocked = _upstream(get_gradient_edge(t).node for t in waiting)
+    active: list[Any] = []
+    active_grads: list[torch.Tensor] = []
+    for tensor, grad in zip(tensors, grads, strict=True):
+        edge = get_gradient_edge(tensor)
+        if edge.node in blocked:
+            holding.keep(edge.node, edge.output_nr, grad)
+        else:
+            active.append(tensor)
+            active_grads.append(grad)
+    roots, kept = holding.take([node for node in holding.pending if node not in blocked])
+    active, active_grads = [*active, *roots], [*active_grads, *kept]
+    if not active:
+        return
+    params, sinks, frontier = _ready_part(active, blocked)
+    inputs = [*params, *(GradientEdge(node, 0) for node in (*sinks, *frontier))]
+    if not inputs:
+        return
+    hooks = [node.register_prehook(holding.capture(node)) for node in frontier]
+    try:
+        torch.autograd.backward(active, active_grads, inputs=inputs, retain_graph=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _is_leaf_node(node: Any) -> bool:
+    return type(node).__name__ == "AccumulateGrad"
+
+
+def _upstream(nodes: Any) -> set:
+    """``nodes`` and every autograd node before them, leaves (parameters) excepted."""
+    seen: set = set()
+    stack = [n for n in nodes if n is not None and not _is_leaf_node(n)]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(n for n, _ in node.next_functions if n is not None and not _is_leaf_node(n))
+    return seen
+
+
+def _ready_part(roots: list[Any], blocked: set) -> tuple[list[torch.Tensor], list[Any], list[Any]]:
+    """What a held segment may run into from ``roots`` without entering ``blocked``: the leaves it
+    accumulates into, the `_Arrive` nodes it reaches (they post gradients), and the blocked nodes
+    at its edge (the pre-hooks keep what reaches them)."""
+    params: list[torch.Tensor] = []
+    sinks: list[Any] = []
+    frontier: list[Any] = []
+    seen: set = set()
+    stack = [r.node if isinstance(r, GradientEdge) else get_gradient_edge(r).node for r in roots]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node in blocked:
+            frontier.append(node)
+        elif _is_leaf_node(node):
+            params.append(node.variable)
+        elif getattr(node, "_forward_cls", None) is _Arrive:
+            sinks.append(node)
+        else:
+            stack.extend(n for n, _ in node.next_functions)
+    return params, sinks, frontier
+
+
+@functools.cache
+def edges_supported() -> bool:
+    """Whether this torch runs ``autograd.backward`` from and into ``GradientEdge``s (holding
+    needs it; older versions back-propagate every message at once, as before)."""
+    try:
+        x = torch.ones(1, requires_grad=True)
+        y = x * 2
+        torch.autograd.backward([get_gradient_edge(y)], [torch.ones(1)], inputs=[x])
+        return x.grad is not None
+    except (TypeError, RuntimeError, AttributeError):
+        return False
 
 
 def module_of(served: CallRecords, sent: CallRecords, messages: list[Gradients]) -> str | None:

@@ -125,6 +125,9 @@ class Gradients:
     #: ``(sender stage, n)``: the sender's n-th gradient message of this micro-batch to this
     #: endpoint (-1: the driver). The same in every tensor-parallel column, unlike call ids.
     origin: tuple[int, int] = (-1, 0)
+    #: From the driver, once the credit is home while this stage holds gradients back: no more
+    #: messages are coming for this micro-batch, release them (`gradients.Holding`).
+    flush: bool = False
 
 
 @dataclass(slots=True)
@@ -139,11 +142,14 @@ class Grant:
 
 @dataclass(slots=True)
 class Credit:
-    """Backward credit coming home to the driver of ``microbatch``."""
+    """Backward credit coming home to the driver of ``microbatch``; ``holding``: the stage at that
+    address now holds gradients back (True) or no longer does (False). Riding with credit, the
+    news is in before the driver can see all the credit home."""
 
     step: int
     microbatch: int
     amount: Fraction
+    holding: tuple[Any, bool] | None = None
 
 
 @dataclass(slots=True)

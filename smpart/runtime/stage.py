@@ -47,6 +47,7 @@ from smpart.runtime.ambient import Ambient, capture
 from smpart.runtime.calls import Frame, as_pipeline_error, running
 from smpart.runtime.gradients import (
     CallRecords,
+    Holding,
     Outbox,
     backpropagate,
     dispatch,
@@ -61,6 +62,7 @@ from smpart.runtime.messages import (
     Armed,
     Batch,
     BeginStep,
+    Credit,
     EndStep,
     Failed,
     Fetch,
@@ -168,6 +170,13 @@ class StageStep:
         #: micro-batch -> call id -> index -> handle.
         self.promised_handles: dict[int, dict[Any, dict[int, handles.Handle]]] = defaultdict(dict)
         self.sent: dict[int, CallRecords] = defaultdict(dict)  # arguments this stage sent
+        #: Each kept call's name across steps, (module, to_outputs, n-th such call of its
+        #: micro-batch here), by (call id, to_outputs); the gradient messages each name got in this
+        #: step (the most over its micro-batches), and what each micro-batch holds back (`gradients`).
+        self.record_names: dict[tuple[Any, bool], tuple[str, bool, int]] = {}
+        self.record_counts: dict[tuple[int, str, bool], int] = defaultdict(int)
+        self.messages_per_record: dict[tuple[str, bool, int], int] = {}
+        self.holdings: dict[int, Holding] = {}
         self.waiting: dict[Any, Waiter] = {}
         self.backlog: dict[int, list[Gradients]] = defaultdict(list)
         self.segment_queued: set[int] = set()
@@ -180,6 +189,23 @@ class StageStep:
 
     def home(self, microbatch: int) -> Address:
         return (self.driver_place, driver_endpoint(self.step, microbatch))
+
+    def keep_record(self, records: dict[int, CallRecords], mb: int, call_id: Any, module: str,
+                    kept: list, to_outputs: bool) -> None:
+        """Keep a call's tensors for the gradients that will come back, under a name that the
+        same call has in the next step too."""
+        with self.lock:
+            n = self.record_counts[(mb, module, to_outputs)]
+            self.record_counts[(mb, module, to_outputs)] = n + 1
+            self.record_names[(call_id, to_outputs)] = (module, to_outputs, n)
+        records[mb][call_id] = (module, kept)
+
+    def learn_messages(self, holding: Holding) -> None:
+        """How many gradient messages each kept call of a released micro-batch got."""
+        for key, count in holding.received.items():
+            name = self.record_names.get(key)
+            if name is not None:
+                self.messages_per_record[name] = max(count, self.messages_per_record.get(name, 0))
 
 
 def _one_after_another(calls: list[Callable[[], None]]) -> Callable[[], None]:
@@ -270,6 +296,8 @@ class StageServer:
         #: (model, module) whose outputs turned out to depend on their data: never promised.
         self.templates = promises.Templates()
         self.unpredictable: set[tuple[int, str]] = set()
+        #: Gradient messages each kept call got in the last step with a backward (`gradients`).
+        self.messages_per_record: dict[tuple[str, bool, int], int] = {}
         #: (model, module) -> output index -> the place whose driver last fetched such an output from
         #: here: the confirmation of a promised call from that place brings the data along (a stage
         #: that computes with an output fetches it at once, racing the confirmation; see `promises`).
@@ -497,6 +525,9 @@ class StageServer:
         if run is not None:
             mb = message.microbatch
             run.released.add(mb)
+            holding = run.holdings.pop(mb, None)
+            if holding is not None:
+                run.learn_messages(holding)
             run.served.pop(mb, None)
             run.sent.pop(mb, None)
             run.held.pop(mb, None)
@@ -517,6 +548,8 @@ class StageServer:
         if not run.aborted:
             for key, template in run.learned.items():
                 self.templates[key] = template
+            if run.messages_per_record:
+                self.messages_per_record = run.messages_per_record
         self._abort(run)  # nothing of this step may still run or wait
         self.run = None
         started = [str(a) for a in run.scheduler.started_order]
@@ -603,7 +636,7 @@ class StageServer:
                 kept, forwarded = promises.keep_forwarded(output, kept, forwarded), {}
             mask = grad_mask(kept, forwarded)
             if kept is not None:
-                run.served[mb][request.call_id] = (request.module, kept)
+                run.keep_record(run.served, mb, request.call_id, request.module, kept, True)
             if request.handles:  # the output stays here; the caller gets references
                 run.held_modules[request.call_id] = (request.model, request.module)
                 output = handles.hold(output, self.address, run.step, mb, request.call_id, run.held[mb], mask,
@@ -768,7 +801,7 @@ class StageServer:
         (args, kwargs), refs = handles.departing((args, kwargs), to=callee)
         kept, forwarded = boundary.depart_call(args, kwargs, ambient.grad_enabled, what)
         if kept is not None:
-            run.sent[mb][call_id] = (module, kept)
+            run.keep_record(run.sent, mb, call_id, module, kept, False)
         remote = not self.transport.local(callee[0])
         (sent_args, sent_kwargs), originals = (carried.pack_call((args, kwargs)) if remote
                                                else ((args, kwargs), []))
@@ -897,12 +930,13 @@ class StageServer:
         self._announce(run, claim, tuple(m.origin for m in messages))
         credit = sum((m.credit for m in messages), Fraction(0))
         served, sent = run.served.get(mb, {}), run.sent.get(mb, {})
+        holding = self._holding(run, mb)
         failed = False
         try:
             if mb not in run.released:
                 with running(Frame(self, run.step, mb, run=run, claim=claim)):
                     call_by_call = self.tp_follower or bool(self.tp_followers)
-                    backpropagate(served, sent, messages, call_by_call)
+                    backpropagate(served, sent, messages, call_by_call, holding)
         except Exception as err:
             failed = True
             failure = as_pipeline_error(err, self.stage, module_of(served, sent, messages), mb, "backward",
@@ -913,10 +947,22 @@ class StageServer:
             run.spans.append((mb, "backward", start, time.time()))
         try:  # the gradients go before the turn does (see `_run_call`)
             if not failed and not run.aborted:
+                if bool(holding.pending) != holding.reported:  # tell the driver, with credit
+                    holding.reported = not holding.reported
+                    news, credit = credit / 2, credit - credit / 2
+                    self.send(run.home(mb), Credit(run.step, mb, news, (self.address, holding.reported)))
                 dispatch(self.send, posts, credit, run.step, mb, run.home(mb), self.stage,
                          run.gradients_sent[mb])
         finally:
             run.scheduler.release(claim)
+
+    def _holding(self, run: StageStep, mb: int) -> Holding:
+        holding = run.holdings.get(mb)
+        if holding is None:
+            names, expected = run.record_names, self.messages_per_record
+            holding = run.holdings[mb] = Holding(lambda call_id, to_outputs: expected.get(
+                names.get((call_id, to_outputs)), 0))
+        return holding
 
     def _take_backlog(self, run: StageStep, mb: int, claim: Claim) -> list[Gradients]:
         """The gradient messages this segment consumes, in the order of their origins (so that

@@ -37,6 +37,8 @@ MICROBATCHES = 4
 #: Steps before the one counted: a stage learns from each step how many gradient messages each
 #: of its calls gets, and the counts settle as the other stages hold back too (4 stages: 4 steps).
 WARMUP_STEPS = 5
+#: ``lm_head.weight`` is ``wte.weight``: its two uses reach it in two passes here, in one unsplit.
+TIED = "transformer.wte"
 TINY = {"seq_len": 16, "vocab_size": 256, "n_embd": 32, "n_head": 2}
 
 
@@ -120,6 +122,7 @@ def main() -> None:
         split_modules = sorted({n.rsplit(".", 1)[0] for n, s in pins.items() if "." in n and n.count(".") == 3
                                 and s != pins.get(n.rsplit(".", 1)[0])})
         line = "  ".join(f"{g.replace('transformer.', '')} s{pins.get(g, '?')} x{max(v):.2f}"
+                         + (" (the tied weight: one accumulation per use, not a repeat)" if g == TIED else "")
                          for g, v in by_group.items() if max(v) != 1.0)
         print(f"  modules whose backward repeats (stage, times per micro-batch): {line or 'none'}")
         print(f"  blocks split between stages: {', '.join(split_modules) or 'none'}")

@@ -106,8 +106,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
     a = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/gpu_stages.py needs a CUDA GPU")
+    if not torch.cuda.is_available():  # `make bench` runs every benchmark: skip, do not fail
+        print("bench/gpu_stages.py needs a CUDA GPU, and this machine has none: skipped")
+        return
     torch.backends.cuda.matmul.allow_tf32 = True
     example = gpt2_small(seq_len=a.seq)
     batch = example.batch(a.batch, seed=0)

@@ -1,19 +1,18 @@
 """How much backward work a pipelined step does, against the unsplit model (goal: 1.00).
 
-Every parameter's gradient is accumulated once per micro-batch per use in the unsplit model. A
-stage that back-propagates each gradient message on its own walks the graph upstream of a tensor
-once per piece of that tensor's gradient: when a module's children are split between stages (a
-residual stream that crosses back and forth), the blocks before it run their backward several
-times per micro-batch. This counts accumulations (``register_post_accumulate_grad_hook``) per
-step, split and unsplit, and prints their ratio per module and its mean over the transformer
-blocks (where the matrix products are). Which messages a segment batches together depends on
-when they arrive, so the counts vary a little from run to run.
+Every parameter's gradient is accumulated once per micro-batch per use in the unsplit model. When
+a module's children are split between stages (a residual stream that crosses back and forth),
+its gradient comes back in pieces; a stage that back-propagated each piece on its own walked the
+graph upstream of it once per piece, and the blocks before the cut ran their backward several
+times per micro-batch. Holding (`smpart.runtime.gradients`) runs each part once. This counts
+accumulations (``register_post_accumulate_grad_hook``) per step, split and unsplit, and prints
+their ratio per module and its mean over the transformer blocks (where the matrix products are).
 
 The partition is the one smpart picks for GPT-2 small at full size (``--batch`` sequences of 1024
 tokens in 4 micro-batches, traced on the meta device); the run that counts uses the same module
-tree at a tiny width (pinned to that partition), so it takes seconds on a CPU. On a lent H200
-the same partitions made GPT-2 small's GPU kernel time 1.38x (2 stages) and 2.25x (4 stages) the
-unsplit model's (``bench/RESULTS.md``).
+tree at a tiny width (pinned to that partition), so it takes seconds on a CPU. Before holding, the
+mean was 1.75 (2 stages) and 3.44-4.08 (4), and on a lent H200 the same partitions made GPT-2
+small's GPU kernel time 1.38x and up to 2.13x the unsplit model's (``bench/RESULTS.md``).
 
     .venv/bin/python bench/backward_work.py [--stages 2 4] [--batch 16]
 """

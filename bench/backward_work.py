@@ -49,7 +49,8 @@ def full_size_partition(stages: int, batch: int) -> dict[str, int]:
     return dict(smpart.partition(tree, stages).node_stage)
 
 
-def _count_accumulations(model: torch.nn.Module, run) -> dict[str, int]:
+def count_accumulations(model: torch.nn.Module, run) -> dict[str, int]:
+    """How many times each parameter's gradient was accumulated while ``run()`` ran."""
     counts: collections.Counter = collections.Counter()
     hooks = [p.register_post_accumulate_grad_hook(lambda _p, name=name: counts.update([name]))
              for name, p in model.named_parameters()]
@@ -71,7 +72,7 @@ def unsplit_counts(example) -> dict[str, int]:
             loss = example.loss(model(*piece), target.chunk(MICROBATCHES)[i])
             (loss / MICROBATCHES).backward()
 
-    return _count_accumulations(model, run)
+    return count_accumulations(model, run)
 
 
 def split_counts(example, stages: int, pins: dict[str, int]) -> dict[str, int]:
@@ -89,7 +90,7 @@ def split_counts(example, stages: int, pins: dict[str, int]) -> dict[str, int]:
         for _ in range(WARMUP_STEPS):  # the first places the model; holding learns from the last
             step(model, args, target)
         model.zero_grad()
-        return _count_accumulations(model, lambda: step(model, args, target))
+        return count_accumulations(model, lambda: step(model, args, target))
     finally:
         smpart.shutdown()
 

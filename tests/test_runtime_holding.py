@@ -8,7 +8,6 @@ accumulated in a step (``register_post_accumulate_grad_hook``), once per micro-b
 
 from __future__ import annotations
 
-import collections
 import copy
 
 import pytest
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import smpart
+from bench.backward_work import count_accumulations
 from examples.models import ZOO
 from tests.launch import run_ranks, values
 
@@ -30,18 +30,6 @@ SPLIT_BLOCK = {"": 0, "transformer": 0, "transformer.wte": 0, "transformer.wpe":
                "transformer.h": 0, "transformer.h.0": 0, "transformer.h.1": 0, "transformer.h.1.ln_1": 0,
                "transformer.h.1.attn": 1, "transformer.h.1.ln_2": 1, "transformer.h.1.mlp": 1,
                "transformer.h.2": 1, "transformer.h.3": 1, "transformer.ln_f": 1}
-
-
-def _accumulations(model: nn.Module, run) -> dict[str, int]:
-    counts: collections.Counter = collections.Counter()
-    hooks = [p.register_post_accumulate_grad_hook(lambda _p, name=name: counts.update([name]))
-             for name, p in model.named_parameters()]
-    try:
-        run()
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return dict(counts)
 
 
 def _split_block_run(schedule: str) -> dict:
@@ -68,8 +56,8 @@ def _split_block_run(schedule: str) -> dict:
                 out = reference(*[a.chunk(MICROBATCHES)[i] for a in args])
                 (example.loss(out, target.chunk(MICROBATCHES)[i]) / MICROBATCHES).backward()
 
-        expected = _accumulations(reference, unsplit)
-        counted = _accumulations(model, lambda args=args, target=target: step(model, args, target))
+        expected = count_accumulations(reference, unsplit)
+        counted = count_accumulations(model, lambda args=args, target=target: step(model, args, target))
         mine = {n for n, p in model.named_parameters() if p.device.type != "meta"}
         # The tied weight's two uses reach it in two backward passes here, in one unsplit: two
         # accumulations for one are two halves of the work, not a repeat.

@@ -136,3 +136,31 @@ def test_an_expected_gradient_that_never_comes_is_flushed_not_waited_for():
                 assert (p.grad - q.grad).abs().max().item() <= TOL, (use_c, name)
         model.zero_grad()
         reference.zero_grad()
+
+
+def test_the_blocked_part_is_what_lies_upstream_of_calls_still_expecting_a_message():
+    """Hand-worked: ``a -> b -> c`` with ``b`` sent to one call and ``c`` to another, each
+    expecting one message. ``b``'s graph lies upstream of both; ``c``'s own node only of ``c``."""
+    from torch.autograd.graph import get_gradient_edge
+
+    from smpart.runtime.gradients import Holding
+    from smpart.runtime.messages import Gradients
+
+    w = torch.ones(2, requires_grad=True)
+    b = (w * 2).exp()
+    c = b.sin()
+    node = {name: get_gradient_edge(t).node for name, t in (("b", b), ("c", c))}
+    mul = node["b"].next_functions[0][0]
+    sent = {"first": ("m", [b]), "second": ("m", [c])}
+    holding = Holding(lambda call_id, to_outputs: 1)
+
+    assert set(holding.blocked({}, sent)) == {node["b"], mul, node["c"]}  # the leaf never blocks
+    holding.count([Gradients(0, 0, [("second", False, {0: torch.ones(2)})], 1)])
+    assert set(holding.blocked({}, sent)) == {node["b"], mul}
+    holding.count([Gradients(0, 0, [("first", False, {0: torch.ones(2)})], 1)])
+    assert not holding.blocked({}, sent)
+
+    flushed = Holding(lambda call_id, to_outputs: 1)
+    assert flushed.blocked({}, sent)
+    flushed.count([Gradients(0, 0, [], 0, flush=True)])
+    assert not flushed.blocked({}, sent)

@@ -32,7 +32,7 @@ when it ends, `dispatch` sends them with their share of the segment's credit (se
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from fractions import Fraction
 from typing import Any
 
@@ -109,9 +109,16 @@ def restore_requires_grad(value: Any, mask: tuple[int, ...]) -> None:
 
 
 class Holding:
-    """What a stage holds back of one micro-batch's backward (see the module docstring)."""
+    """What a stage holds back of one micro-batch's backward (see the module docstring).
 
-    __slots__ = ("expected", "received", "pending", "flushing", "reported")
+    The blocked part of the graph is kept up to date message by message rather than found again
+    for every segment: each kept call that still expects a message contributes the nodes upstream
+    of its tensors once, counted in ``blocking``, and takes them back when its last message is in.
+    A call that receives many messages of its own (a root calling another stage's module 200
+    times in a loop) then costs each segment the part it touches, not the whole graph."""
+
+    __slots__ = ("expected", "received", "pending", "flushing", "reported", "outstanding", "blocking",
+                 "_records_seen")
 
     def __init__(self, expected: Callable[[Any, bool], int]) -> None:
         #: ``expected(call_id, to_outputs)``: gradient messages the kept call should get (0: none
@@ -122,24 +129,51 @@ class Holding:
         self.pending: dict[Any, dict[int, torch.Tensor]] = {}
         self.flushing = False  # the driver said nothing more will come: hold nothing back
         self.reported = False  # the driver was told this stage holds gradients
+        #: Kept calls still expecting a message -> the nodes upstream of their tensors.
+        self.outstanding: dict[tuple[Any, bool], set] = {}
+        #: Node -> how many outstanding calls have it upstream: the blocked part of the graph.
+        self.blocking: dict[Any, int] = {}
+        self._records_seen = (0, 0)
 
     def count(self, messages: list[Gradients]) -> None:
         for message in messages:
             self.flushing = self.flushing or message.flush
             for key in {(call_id, to_outputs) for call_id, to_outputs, _ in message.parts}:
                 self.received[key] = self.received.get(key, 0) + 1
-
-    def waiting(self, served: CallRecords, sent: CallRecords) -> list[torch.Tensor]:
-        """Kept tensors whose calls still expect a gradient message."""
+                if key in self.outstanding and self.received[key] >= self.expected(*key):
+                    self._unblock(key)
         if self.flushing:
-            return []
-        found = []
-        for records, to_outputs in ((served, True), (sent, False)):
-            for call_id, (_, kept) in records.items():
-                key = (call_id, to_outputs)
-                if self.received.get(key, 0) < self.expected(*key):
-                    found.extend(t for t in kept if t is not None)
-        return found
+            self.outstanding.clear()
+            self.blocking.clear()
+
+    def blocked(self, served: CallRecords, sent: CallRecords) -> dict[Any, int]:
+        """The autograd nodes upstream of kept tensors whose calls still expect a gradient
+        message (a mapping, for membership tests)."""
+        if self.flushing:
+            return self.blocking
+        sizes = (len(served), len(sent))
+        if sizes != self._records_seen:  # calls kept since the last look: the new ones may block
+            self._records_seen = sizes
+            for records, to_outputs in ((served, True), (sent, False)):
+                for call_id, (_, kept) in records.items():
+                    key = (call_id, to_outputs)
+                    if key not in self.outstanding and self.received.get(key, 0) < self.expected(*key):
+                        self._block(key, kept)
+        return self.blocking
+
+    def _block(self, key: tuple[Any, bool], kept: list) -> None:
+        nodes = _upstream(get_gradient_edge(t).node for t in kept if t is not None)
+        self.outstanding[key] = nodes
+        for node in nodes:
+            self.blocking[node] = self.blocking.get(node, 0) + 1
+
+    def _unblock(self, key: tuple[Any, bool]) -> None:
+        for node in self.outstanding.pop(key):
+            left = self.blocking[node] - 1
+            if left:
+                self.blocking[node] = left
+            else:
+                del self.blocking[node]
 
     def keep(self, node: Any, index: int, grad: torch.Tensor) -> None:
         grads = self.pending.setdefault(node, {})
@@ -197,7 +231,7 @@ def backpropagate(served: CallRecords, sent: CallRecords, messages: list[Gradien
         holding.count(messages)
         targets = groups.get(None, {})
         _held_backward(holding, [t for t, _ in targets.values()], [g for _, g in targets.values()],
-                       holding.waiting(served, sent))
+                       holding.blocked(served, sent))
         return
     for targets in groups.values():
         if targets:
@@ -206,15 +240,15 @@ def backpropagate(served: CallRecords, sent: CallRecords, messages: list[Gradien
 
 
 def _held_backward(holding: Holding, tensors: list[torch.Tensor], grads: list[torch.Tensor],
-                   waiting: list[torch.Tensor]) -> None:
-    """Back-propagate ``grads`` into ``tensors`` except into the graph upstream of ``waiting``,
-    whose gradients stay in ``holding`` until nothing waits any more."""
-    if not waiting:  # everything is in: one pass over what is left, kept gradients included
+                   blocked: Collection) -> None:
+    """Back-propagate ``grads`` into ``tensors`` except into the ``blocked`` part of the graph
+    (upstream of kept tensors that still wait for a message), whose gradients stay in
+    ``holding`` until nothing is blocked any more."""
+    if not blocked:  # everything is in: one pass over what is left, kept gradients included
         roots, kept = holding.take()
         if tensors or roots:
             torch.autograd.backward([*tensors, *roots], [*grads, *kept], retain_graph=True)
         return
-    blocked = _upstream(get_gradient_edge(t).node for t in waiting)
     active: list[Any] = []
     active_grads: list[torch.Tensor] = []
     for tensor, grad in zip(tensors, grads, strict=True):
@@ -257,7 +291,7 @@ def _upstream(nodes: Any) -> set:
     return seen
 
 
-def _ready_part(roots: list[Any], blocked: set) -> tuple[list[torch.Tensor], list[Any], list[Any]]:
+def _ready_part(roots: list[Any], blocked: Collection) -> tuple[list[torch.Tensor], list[Any], list[Any]]:
     """What a held segment may run into from ``roots`` without entering ``blocked``: the leaves it
     accumulates into, the `_Arrive` nodes it reaches (they post gradients), and the blocked nodes
     at its edge (the pre-hooks keep what reaches them)."""

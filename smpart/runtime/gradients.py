@@ -263,6 +263,9 @@ def _held_backward(holding: Holding, tensors: list[torch.Tensor], grads: list[to
     if not active:
         return
     params, sinks, frontier = _ready_part(active, blocked)
+    if not frontier:  # nothing blocked lies in reach: the plain backward runs exactly the ready part
+        torch.autograd.backward(active, active_grads, retain_graph=True)
+        return
     inputs = [*params, *(GradientEdge(node, 0) for node in (*sinks, *frontier))]
     if not inputs:
         return

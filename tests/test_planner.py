@@ -570,3 +570,21 @@ def test_transgan_one_head_attention_is_priced_whole_so_tensor_parallelism_loses
     group = model.sample_times(2 * speed, 2 * bandwidth, tp=2)  # a tp = 2 group: twice the devices
     assert group[narrow] == pytest.approx(one[narrow], rel=0.05)
     assert group[wide] < 0.6 * one[wide]
+
+
+def test_the_planners_activations_in_flight_are_those_of_the_runtimes_1f1b_lists():
+    """The cost model prices 1F1B's memory by its own formula (the planner imports no runtime):
+    it must equal, for every stage, the most micro-batches whose forward has started and whose
+    backward has not, walking the runtime's action list."""
+    from smpart.planner.cost import _interleaved_in_flight
+    from smpart.runtime.schedule import FORWARD, one_f_one_b_actions
+
+    for stages in range(1, 9):
+        for stage in range(stages):
+            for microbatches in range(1, 13):
+                live = most = 0
+                for action in one_f_one_b_actions(stage, stages, microbatches):
+                    live += 1 if action.kind == FORWARD else -1
+                    most = max(most, live)
+                priced = min(_interleaved_in_flight(stage, stages), microbatches)
+                assert priced == most, (stage, stages, microbatches)

@@ -164,3 +164,37 @@ def test_the_blocked_part_is_what_lies_upstream_of_calls_still_expecting_a_messa
     assert flushed.blocked({}, sent)
     flushed.count([Gradients(0, 0, [], 0, flush=True)])
     assert not flushed.blocked({}, sent)
+
+
+@pytest.mark.timeout(120)
+def test_holding_walks_each_kept_calls_graph_once_however_many_calls_a_stage_makes(monkeypatch):
+    """A root calling another stage's module ``n`` times keeps ``n`` calls per micro-batch on
+    each side. Holding must find what each call blocks once, O(n) autograd nodes a step, not again
+    for every gradient message: O(n²) made `bench/overhead.py`'s thread round trip 3x slower."""
+    from bench.overhead import PINS, PingPong
+    from bench.overhead import train_step as ping_pong_step
+    from smpart.runtime import gradients
+
+    walked: list[int] = []
+    upstream = gradients._upstream
+
+    def counting(nodes):
+        found = upstream(nodes)
+        walked.append(len(found))
+        return found
+
+    monkeypatch.setattr(gradients, "_upstream", counting)
+    smpart.init(pipeline_parallel_degree=2, microbatches=1, pin=PINS, timeout_s=60)
+    try:
+        net = PingPong()
+        net.calls = 60
+        model = smpart.DistributedModel(net)
+        x = torch.randn(1, 4)
+        for _ in range(3):  # place, learn how many messages each call gets
+            ping_pong_step(model, x)
+        walked.clear()
+        ping_pong_step(model, x)
+    finally:
+        smpart.shutdown()
+    assert walked, "holding never looked at the graph: the test is blind"
+    assert sum(walked) <= 10 * net.calls, sum(walked)  # here 237 (about 4 per call); 7140 before

@@ -139,8 +139,9 @@ def test_an_expected_gradient_that_never_comes_is_flushed_not_waited_for():
 
 
 def test_the_blocked_part_is_what_lies_upstream_of_calls_still_expecting_a_message():
-    """Hand-worked: ``a -> b -> c`` with ``b`` sent to one call and ``c`` to another, each
-    expecting one message. ``b``'s graph lies upstream of both; ``c``'s own node only of ``c``."""
+    """Hand-worked: ``w -> b -> c`` with ``b`` sent to one call and ``c`` to another, each
+    expecting one message. ``b``'s graph lies upstream of both; ``c``'s own node only of ``c``;
+    the parameter ``w`` (a leaf) blocks nothing."""
     from torch.autograd.graph import get_gradient_edge
 
     from smpart.runtime.gradients import Holding

@@ -267,8 +267,6 @@ def _held_backward(holding: Holding, tensors: list[torch.Tensor], grads: list[to
         torch.autograd.backward(active, active_grads, retain_graph=True)
         return
     inputs = [*params, *(GradientEdge(node, 0) for node in (*sinks, *frontier))]
-    if not inputs:
-        return
     hooks = [node.register_prehook(holding.capture(node)) for node in frontier]
     try:
         torch.autograd.backward(active, active_grads, inputs=inputs, retain_graph=True)

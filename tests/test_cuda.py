@@ -12,12 +12,11 @@ import os
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
 
 import smpart
 from examples.models import ZOO
 from tests.launch import run_ranks, values
-from tests.test_runtime import reference_step
+from tests.test_runtime import Differences, train_side_by_side
 
 TOL = 1e-6
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -26,53 +25,11 @@ needs_gpu = pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU")
 needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="NCCL needs a GPU per process: two GPUs")
 
 
-def _device_of(output) -> torch.device:
-    return next(leaf.device for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor))
-
-
-def _train(name: str, stages: int, microbatches: int, schedule: str, steps: int = 2, **init) -> dict:
-    """Train the zoo model pipelined as configured and unsplit on the CPU; the worst differences
-    (losses, gradients before each step, state dict after) and where the parameters ended up."""
-    example = ZOO[name](dtype=torch.float64)
-    reference = copy.deepcopy(example.model)
-    smpart.init(pipeline_parallel_degree=stages, microbatches=microbatches, pipeline=schedule,
-                timeout_s=60, **init)
-    model = smpart.DistributedModel(example.model)
-    opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
-
-    @smpart.step
-    def step(model, args, kwargs, target):
-        output = model(*args, **kwargs)
-        loss = example.loss(output, target.to(_device_of(output)))
-        model.backward(loss)
-        return loss
-
-    worst = {"loss": 0.0, "grad": 0.0}
-    for seed in range(steps):
-        args, kwargs, target = example.batch(4, seed=seed)
-        out = step(model, args, kwargs, target)
-        expected = reference_step(reference, example, args, kwargs, target, microbatches)
-        worst["loss"] = max(worst["loss"], (out.stack().cpu() - expected).abs().max().item())
-        if not torch.distributed.is_initialized():  # on processes each rank holds only its own grads
-            for (_, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
-                if q.grad is not None and p.grad is not None:
-                    worst["grad"] = max(worst["grad"], (p.grad.cpu() - q.grad).abs().max().item())
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    full = model.state_dict()
-    worst["state"] = max((full[k].double().cpu() - v).abs().max().item()
-                         for k, v in reference.state_dict().items())
-    worst["devices"] = sorted({str(p.device) for p in model.parameters() if p.device.type != "meta"})
-    worst["bytes_sent"] = sum(out.timeline.bytes_sent.values())
+def _train(name: str, stages: int, microbatches: int, schedule: str, steps: int = 2, **init) -> Differences:
+    """Train the zoo model pipelined as configured and unsplit on the CPU; the worst differences."""
+    *_, diff = train_side_by_side(ZOO[name], stages, microbatches, schedule, steps, **init)
     smpart.shutdown()
-    return worst
-
-
-def _assert_close(worst: dict, context) -> None:
-    for key in ("loss", "grad", "state"):
-        assert worst[key] <= TOL, (context, key, worst[key])
+    return diff
 
 
 @needs_gpu
@@ -80,18 +37,18 @@ def _assert_close(worst: dict, context) -> None:
 @pytest.mark.parametrize("name", list(ZOO))
 def test_stages_sharing_one_gpu_on_threads(name):
     for schedule in ("gpipe", "1f1b"):
-        worst = _train(name, 2, 4, schedule, devices=["cuda:0", "cuda:0"])
-        _assert_close(worst, (name, schedule))
-        assert worst["devices"] == ["cuda:0"]
+        diff = _train(name, 2, 4, schedule, devices=["cuda:0", "cuda:0"])
+        diff.assert_within(TOL, (name, schedule))
+        assert diff.devices == ["cuda:0"]
 
 
 @needs_gpu
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["gpt2", "moe", "t5", "resnet"])
 def test_stages_split_between_cpu_and_gpu_on_threads(name):
-    worst = _train(name, 3, 4, "1f1b", devices=["cpu", "cuda:0", "cpu"])
-    _assert_close(worst, name)
-    assert worst["devices"] == ["cpu", "cuda:0"]
+    diff = _train(name, 3, 4, "1f1b", devices=["cpu", "cuda:0", "cpu"])
+    diff.assert_within(TOL, name)
+    assert diff.devices == ["cpu", "cuda:0"]
 
 
 def _train_on_ranks(rank, configs, init):
@@ -100,8 +57,8 @@ def _train_on_ranks(rank, configs, init):
 
 def _assert_ranks(results) -> None:
     for report in values(results):
-        for config, worst in report:
-            _assert_close(worst, config)
+        for config, diff in report:
+            diff.assert_within(TOL, config)
 
 
 @needs_gpu
@@ -112,7 +69,7 @@ def test_one_process_per_stage_on_one_shared_gpu_over_gloo():
                         timeout_s=580)
     _assert_ranks(results)
     for report in values(results):
-        assert all(worst["devices"] == ["cuda:0"] and worst["bytes_sent"] > 0 for _, worst in report)
+        assert all(diff.devices == ["cuda:0"] and diff.bytes_sent > 0 for _, diff in report)
 
 
 @needs_two_gpus
@@ -123,7 +80,7 @@ def test_one_process_per_gpu_over_nccl(world):
     results = run_ranks(_train_on_ranks, world, configs, {"backend": "nccl"}, timeout_s=580)
     _assert_ranks(results)
     for rank, report in enumerate(values(results)):
-        assert all(worst["devices"] == [f"cuda:{rank}"] for _, worst in report)
+        assert all(diff.devices == [f"cuda:{rank}"] for _, diff in report)
 
 
 def _auto_backend(rank):

@@ -19,53 +19,27 @@ import torch.nn.functional as F
 import smpart
 from examples.models import ZOO
 from tests.launch import run_ranks, values
-from tests.test_runtime import reference_step, train_step
+from tests.test_runtime import reference_step, train_side_by_side, train_step
 from tests.test_runtime_placement import Nested, SharedUse, TiedEncoderDecoder
 
 TOL = 1e-6
 
 
-# The unsplit reference (same micro-batching, mean loss) and the step, as the thread tests use them.
-_reference_losses = reference_step
-_zoo_step = train_step
-
-
 def _train_zoo(rank, configs, steps=3):
     """Every configuration: pipelined and unsplit training side by side; the worst differences."""
-    report = []
     world = int(os.environ["WORLD_SIZE"])
+    report = []
     for name, microbatches, schedule in configs:
-        example = ZOO[name](dtype=torch.float64)
-        reference = copy.deepcopy(example.model)
-        smpart.init(pipeline_parallel_degree=world, microbatches=microbatches, pipeline=schedule,
-                    timeout_s=60)
-        model = smpart.DistributedModel(example.model)
-        opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
-        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
-        loss_diff = 0.0
-        for step in range(steps):
-            args, kwargs, target = example.batch(4, seed=step)
-            out = _zoo_step(model, example, args, kwargs, target)
-            expected = _reference_losses(reference, example, args, kwargs, target, microbatches)
-            loss_diff = max(loss_diff, (out.stack() - expected).abs().max().item())
-            for o in (opt, ref_opt):
-                o.step()
-                o.zero_grad()
-        full = model.state_dict()
-        state_diff = max((full[k].double() - v.double()).abs().max().item()
-                         for k, v in reference.state_dict().items())
-        same_keys = len(full) == len(reference.state_dict())
-        report.append(((name, microbatches, schedule), loss_diff, state_diff, same_keys))
+        *_, diff = train_side_by_side(ZOO[name], world, microbatches, schedule, steps)
+        report.append(((name, microbatches, schedule), diff))
         smpart.shutdown()
     return report
 
 
 def _assert_report(results):
     for report in values(results):
-        for config, loss_diff, state_diff, same_keys in report:
-            assert same_keys, config
-            assert loss_diff <= TOL, (config, loss_diff)
-            assert state_diff <= TOL, (config, state_diff)
+        for config, diff in report:
+            diff.assert_within(TOL, config)
 
 
 @pytest.mark.timeout(600)
@@ -252,9 +226,9 @@ def _data_parallel(rank, pp, name, schedule):
     for step in range(3):
         args, kwargs, target = example.batch(4 * dp, seed=step)
         mine = slice(smpart.dp_rank() * 4, (smpart.dp_rank() + 1) * 4)
-        out = _zoo_step(model, example, [a[mine] for a in args], {k: v[mine] for k, v in kwargs.items()},
+        out = train_step(model, example, [a[mine] for a in args], {k: v[mine] for k, v in kwargs.items()},
                         target[mine])
-        expected = _reference_losses(reference, example, args, kwargs, target, microbatches * dp)
+        expected = reference_step(reference, example, args, kwargs, target, microbatches * dp)
         mine_mbs = expected[smpart.dp_rank() * microbatches:(smpart.dp_rank() + 1) * microbatches]
         worst = max(worst, (out.stack() - mine_mbs).abs().max().item())
         opt.step()
@@ -314,8 +288,8 @@ def _clipped(rank, pp):
     dp = smpart.dp_size()
     args, kwargs, target = example.batch(4 * dp, seed=0)
     mine = slice(smpart.dp_rank() * 4, (smpart.dp_rank() + 1) * 4)
-    _zoo_step(model, example, [a[mine] for a in args], {}, target[mine])
-    _reference_losses(reference, example, args, kwargs, target, 2 * dp)
+    train_step(model, example, [a[mine] for a in args], {}, target[mine])
+    reference_step(reference, example, args, kwargs, target, 2 * dp)
     total = opt.clip_grad_norm_(0.05)
     return total.item(), torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05).item()
 
@@ -346,8 +320,8 @@ def _tensor_parallel(rank, name, pp=1, schedule="1f1b"):
         args, kwargs, target = example.batch(4 * dp, seed=step)
         mine = slice(smpart.dp_rank() * 4, (smpart.dp_rank() + 1) * 4)
         piece = {k: v[mine] for k, v in kwargs.items()}
-        _zoo_step(model, example, [a[mine] for a in args], piece, target[mine])
-        _reference_losses(reference, example, args, kwargs, target, 2 * dp)
+        train_step(model, example, [a[mine] for a in args], piece, target[mine])
+        reference_step(reference, example, args, kwargs, target, 2 * dp)
         norms.append((opt.clip_grad_norm_(1.0).item(),
                       torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0).item()))
         opt.step()

@@ -1,0 +1,121 @@
+"""The runtime's host time per step on GPT-2, measured on a CPU: what a GPU waits for when it is host-bound.
+
+On a GPU with small micro-batches the kernels finish before the host has issued the next ones,
+and every millisecond of Python the runtime adds per step shows in the step time (a lent H200,
+GPT-2 small at 8 x 512 tokens in 4 micro-batches: unsplit step 127 ms for 44 ms of kernels;
+smpart's stages on that GPU added 44-63 ms a step, `bench/RESULTS.md`). This measures the same
+thing without a GPU: GPT-2 small's module tree (12 blocks, tied embeddings) at a tiny width, so
+the matrix products cost next to nothing and the step is the host's own work, split as smpart
+splits GPT-2 small at full size (the partition pinned, as in `bench/backward_work.py`), on
+threads. Printed: the unsplit model's step on the same 4 micro-batches one after the other, and
+smpart's, with what smpart adds per step and per micro-batch; medians over ``--steps`` after
+warm-up, the configurations alternating over ``--rounds``.
+
+    .venv/bin/python bench/host_overhead.py [--stages 2 4] [--steps 20] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import smpart  # noqa: E402
+from bench.backward_work import MICROBATCHES, TINY, WARMUP_STEPS, full_size_partition  # noqa: E402
+from examples.models import gpt2_small  # noqa: E402
+
+BATCH = 2 * MICROBATCHES
+
+
+def _median_ms(step, steps: int) -> float:
+    for _ in range(WARMUP_STEPS):  # the first places the model; holding learns from the rest
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def unsplit_ms(example, steps: int) -> float:
+    model = copy.deepcopy(example.model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    args, _, target = example.batch(BATCH, seed=0)
+
+    def step() -> None:
+        for i in range(MICROBATCHES):
+            piece = [a.chunk(MICROBATCHES)[i] for a in args]
+            loss = example.loss(model(*piece), target.chunk(MICROBATCHES)[i])
+            (loss / MICROBATCHES).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return _median_ms(step, steps)
+
+
+def smpart_ms(example, steps: int, stages: int, schedule: str, pins: dict[str, int]) -> float:
+    smpart.init(pipeline_parallel_degree=stages, microbatches=MICROBATCHES, pipeline=schedule, pin=pins)
+    try:
+        model = smpart.DistributedModel(copy.deepcopy(example.model))
+        opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
+        args, _, target = example.batch(BATCH, seed=0)
+
+        @smpart.step
+        def train_step(model, args, target):
+            loss = example.loss(model(*args), target)
+            model.backward(loss)
+            return loss
+
+        def step() -> None:
+            train_step(model, args, target)
+            opt.step()
+            opt.zero_grad()
+
+        return _median_ms(step, steps)
+    finally:
+        smpart.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of every configuration")
+    parser.add_argument("--batch", type=int, default=16, help="full-size batch the partition is traced for")
+    a = parser.parse_args()
+    torch.set_num_threads(1)
+    example = gpt2_small(**TINY)
+    configs = [(stages, schedule) for stages in a.stages for schedule in ("gpipe", "1f1b")]
+    pins = {stages: full_size_partition(stages, a.batch) for stages in a.stages}
+    unsplit: list[float] = []
+    split: dict[tuple[int, str], list[float]] = {config: [] for config in configs}
+    for _ in range(a.rounds):
+        unsplit.append(unsplit_ms(example, a.steps))
+        for stages, schedule in configs:
+            split[(stages, schedule)].append(smpart_ms(example, a.steps, stages, schedule, pins[stages]))
+    base = statistics.median(unsplit)
+    title = (f"GPT-2 small's module tree at width {TINY['n_embd']} on this CPU (1 intra-op thread), "
+             f"{MICROBATCHES} micro-batches, smpart on threads; medians of {a.rounds} rounds")
+    table = Table(title=title)
+    for column in ("configuration", "step ms", "÷ unsplit", "added ms / step", "added ms / micro-batch"):
+        table.add_column(column, justify="left" if column == "configuration" else "right")
+    table.add_row("unsplit", f"{base:.1f}", "1.00", "", "")
+    for (stages, schedule), times in split.items():
+        ms = statistics.median(times)
+        table.add_row(f"smpart, {stages} stages, {schedule}", f"{ms:.1f}", f"{ms / base:.2f}",
+                      f"{ms - base:.1f}", f"{(ms - base) / MICROBATCHES:.1f}")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -49,6 +49,15 @@ def full_size_partition(stages: int, batch: int) -> dict[str, int]:
     return dict(smpart.partition(tree, stages).node_stage)
 
 
+def accumulate_microbatches(model: torch.nn.Module, example, args: list, target: torch.Tensor) -> None:
+    """The unsplit model's forward and backward over ``MICROBATCHES`` micro-batches one after the
+    other, gradients averaged: the work a pipelined step does, without the pipeline."""
+    for i in range(MICROBATCHES):
+        piece = [a.chunk(MICROBATCHES)[i] for a in args]
+        loss = example.loss(model(*piece), target.chunk(MICROBATCHES)[i])
+        (loss / MICROBATCHES).backward()
+
+
 def count_accumulations(model: torch.nn.Module, run) -> dict[str, int]:
     """How many times each parameter's gradient was accumulated while ``run()`` ran."""
     counts: collections.Counter = collections.Counter()
@@ -66,13 +75,7 @@ def unsplit_counts(example) -> dict[str, int]:
     model = copy.deepcopy(example.model)
     args, _, target = example.batch(2 * MICROBATCHES, seed=0)
 
-    def run():
-        for i in range(MICROBATCHES):
-            piece = [a.chunk(MICROBATCHES)[i] for a in args]
-            loss = example.loss(model(*piece), target.chunk(MICROBATCHES)[i])
-            (loss / MICROBATCHES).backward()
-
-    return count_accumulations(model, run)
+    return count_accumulations(model, lambda: accumulate_microbatches(model, example, args, target))
 
 
 def split_counts(example, stages: int, pins: dict[str, int]) -> dict[str, int]:

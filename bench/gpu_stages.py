@@ -28,9 +28,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smpart  # noqa: E402
+from bench.backward_work import MICROBATCHES, accumulate_microbatches  # noqa: E402
 from examples.models import gpt2_small  # noqa: E402
 
-MICROBATCHES = 4
 WARMUP_STEPS = 6
 
 
@@ -65,10 +65,7 @@ def unsplit(example, batch, steps: int) -> tuple[float, float, float]:
     args, target = [a.cuda() for a in args], target.cuda()
 
     def step():
-        for i in range(MICROBATCHES):
-            piece = [a.chunk(MICROBATCHES)[i] for a in args]
-            loss = example.loss(model(*piece), target.chunk(MICROBATCHES)[i])
-            (loss / MICROBATCHES).backward()
+        accumulate_microbatches(model, example, args, target)
         opt.step()
         opt.zero_grad()
 

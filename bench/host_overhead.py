@@ -30,7 +30,13 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smpart  # noqa: E402
-from bench.backward_work import MICROBATCHES, TINY, WARMUP_STEPS, full_size_partition  # noqa: E402
+from bench.backward_work import (  # noqa: E402
+    MICROBATCHES,
+    TINY,
+    WARMUP_STEPS,
+    accumulate_microbatches,
+    full_size_partition,
+)
 from examples.models import gpt2_small  # noqa: E402
 
 BATCH = 2 * MICROBATCHES
@@ -53,10 +59,7 @@ def unsplit_ms(example, steps: int) -> float:
     args, _, target = example.batch(BATCH, seed=0)
 
     def step() -> None:
-        for i in range(MICROBATCHES):
-            piece = [a.chunk(MICROBATCHES)[i] for a in args]
-            loss = example.loss(model(*piece), target.chunk(MICROBATCHES)[i])
-            (loss / MICROBATCHES).backward()
+        accumulate_microbatches(model, example, args, target)
         opt.step()
         opt.zero_grad()
 

@@ -81,14 +81,17 @@ def train_step(model, x):
 
 def measure(schedule: str, stages: int, microbatches: int, seconds: float,
             steps: int, width: int = 8, where: str = "threads") -> tuple[list[float], list[float], str]:
-    """Step times and bubble fractions of ``steps`` steps (after a placing one), and where the
-    last step's timeline was saved."""
+    """Step times and bubble fractions of ``steps`` steps, and where the last step's timeline was
+    saved. ``stages`` warm-up steps go first: the first places the model, and holding
+    (`smpart.runtime.gradients`) learns its counts from the step before, so the first steps of
+    ``stages`` stages repeat backward work (`bench/backward_work.py`)."""
     smpart.init(pipeline_parallel_degree=stages, microbatches=microbatches, pipeline=schedule,
                 pin={f"blocks.{i}": i for i in range(stages)}, timeout_s=120)
     try:
         model = smpart.DistributedModel(SleepPipeline(stages, seconds))
         x = torch.randn(microbatches * 2, width)
-        train_step(model, x)  # first step: trace, partition, place
+        for _ in range(stages):  # trace, partition, place; then until holding has settled
+            train_step(model, x)
         times, bubbles = [], []
         for _ in range(steps):
             start = time.perf_counter()

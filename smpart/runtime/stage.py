@@ -384,7 +384,8 @@ class StageServer:
         if step > current and not (isinstance(message, BeginStep) and step <= self.armed):
             self._early[step].append(message)
             return
-        debug("stage %d receives %s", self.stage, _describe(message))
+        if DEBUG:
+            debug("stage %d receives %s", self.stage, _describe(message))
         try:
             self._handlers[type(message)](message)
         except Exception:  # a bug in a handler must not silence the stage

@@ -180,17 +180,32 @@ class Transport(ABC):
 def payload_bytes(message: Any) -> int:
     """Bytes of the tensors a message carries (arguments, outputs, gradients, small handles' data)."""
     if type(message) is Request:
-        value = (message.args, message.kwargs)
-    elif type(message) is Response:
-        value = message.output
-    elif type(message) is Gradients:
-        value = [grads for _, _, grads in message.parts]
-    elif type(message) is Batch:
+        return _tensor_bytes((message.args, message.kwargs))
+    if type(message) is Response:
+        return _tensor_bytes(message.output)
+    if type(message) is Gradients:
+        return sum(_tensor_bytes(grads) for _, _, grads in message.parts)
+    if type(message) is Batch:
         return sum(payload_bytes(m) for m in message.messages)
-    else:
+    return 0
+
+
+def _tensor_bytes(value: Any) -> int:
+    # Every message on threads is counted: plain containers are walked here, anything else
+    # (a registered pytree node such as a model output) through pytree.
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return sum(_tensor_bytes(v) for v in value)
+    if kind is dict:
+        return sum(_tensor_bytes(v) for v in value.values())
+    if kind is HandleRef:
+        value = value.data
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if value is None or kind in (int, float, bool, str):
         return 0
-    tensors = [leaf.data if type(leaf) is HandleRef else leaf for leaf in pytree.tree_leaves(value)]
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    leaves = pytree.tree_leaves(value)
+    return 0 if len(leaves) == 1 and leaves[0] is value else sum(_tensor_bytes(leaf) for leaf in leaves)
 
 
 class ThreadTransport(Transport):

@@ -9,8 +9,15 @@ its actions over instead of waiting for them.
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,6 +101,49 @@ def test_a_real_run_starts_its_actions_in_the_schedules_order(schedule, stages):
                 if event["stage"] == stage and action not in firsts:
                     firsts.append(action)
             assert firsts == timeline.started[stage]
+
+
+_DEBUG_RUN = textwrap.dedent("""
+    import json, torch, smpart
+    from torch import nn
+    smpart.init(pipeline_parallel_degree=2, microbatches=3, pipeline="1f1b", pin={"": 0, "0": 0, "1": 1})
+    model = smpart.DistributedModel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))
+
+    @smpart.step
+    def step(model, x):
+        loss = model(x).sum()
+        model.backward(loss)
+        return loss
+
+    step(model, torch.randn(6, 4))
+    print(json.dumps(step(model, torch.randn(6, 4)).timeline.started))
+    smpart.shutdown()
+""")
+
+
+@pytest.mark.timeout(120)
+def test_smpart_debug_logs_what_each_stage_receives_and_runs_in_the_order_it_runs_it():
+    env = {**os.environ, "SMPART_DEBUG": "1"}
+    done = subprocess.run([sys.executable, "-c", _DEBUG_RUN], env=env, capture_output=True, text=True,
+                          timeout=100, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    started = {int(stage): actions for stage, actions in json.loads(done.stdout.splitlines()[-1]).items()}
+    lines = done.stderr.splitlines()
+    # The second step's lines: from the second BeginStep each stage receives on.
+    runs: dict[int, list[str]] = {0: [], 1: []}
+    for stage in (0, 1):
+        begins = [i for i, line in enumerate(lines) if f"stage {stage} receives BeginStep(step=1" in line]
+        assert len(begins) == 1, done.stderr
+        for line in lines[begins[0]:]:
+            found = re.search(rf"^\[rank - (smpart-[\w-]+)\] stage {stage} (runs|resumes) ([FB]\d+)", line)
+            if found and found.group(3) not in runs[stage]:
+                runs[stage].append(found.group(3))
+    assert runs == started
+    for kind in ("Request", "Gradients", "Release"):
+        assert any(re.search(rf"^\[rank - smpart-[\w-]+\] stage 1 receives {kind}\(step=1, mb=2", line)
+                   for line in lines), kind
+    assert any(re.search(r"stage 1 runs F0: module '1' \(call", line) for line in lines)
+    assert any("stage 0 runs B2: a backward segment for 1 gradient message(s)" in line for line in lines)
 
 
 @pytest.mark.timeout(60)

@@ -596,6 +596,9 @@ class StageServer:
                 str(err), stage=self.stage, module=request.module, microbatch=mb, rank=self.rank))
             return
         self._announce(run, claim)
+        if DEBUG:
+            debug("stage %d runs %s: module %r (call %s)", self.stage, claim.action, request.module,
+                  request.call_id)
         frame = Frame(self, run.step, mb, run=run, claim=claim, since=time.time(), promised=[])
         try:
             self._run_call(run, request, frame, fetched)
@@ -897,6 +900,8 @@ class StageServer:
         except TimedOut as err:
             raise PipelineError(str(err), stage=self.stage, microbatch=mb, rank=self.rank) from None
         self._announce(run, claim)
+        if DEBUG:
+            debug("stage %d resumes %s (micro-batch %d's call goes on)", self.stage, claim.action, mb)
         frame.claim, frame.since = claim, time.time()
 
     def _step_out(self, frame: Frame) -> None:
@@ -929,6 +934,10 @@ class StageServer:
                 self.send(run.coordinator, Failed(run.step, failure))
             return
         self._announce(run, claim, tuple(m.origin for m in messages))
+        if DEBUG:
+            flush = " (flush)" if any(m.flush for m in messages) else ""
+            debug("stage %d runs %s: a backward segment for %d gradient message(s)%s", self.stage,
+                  claim.action, len(messages), flush)
         credit = sum((m.credit for m in messages), Fraction(0))
         served, sent = run.served.get(mb, {}), run.sent.get(mb, {})
         holding = self._holding(run, mb)

@@ -7,6 +7,7 @@ forever fails the test by its exit code, not by hanging it.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -87,6 +88,10 @@ def _dies(rank, when):
     _step(dm, x)
     if rank == 1 and when == "between steps":
         os._exit(3)
+    if rank == 1 and when == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 1 and when == "raises":  # outside the step: the process ends as a script's would
+        raise RuntimeError("rank 1 failed outside the step")
     if rank == 1 and when == "inside a module":
         dm.module.second.die = True
     start = time.monotonic()
@@ -98,12 +103,14 @@ def _dies(rank, when):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("when", ["between steps", "inside a module"])
+@pytest.mark.parametrize("when", ["between steps", "inside a module", "killed", "raises"])
 def test_a_rank_that_dies_makes_the_others_fail_naming_it(when):
     results = run_ranks(_dies, 2, when, timeout_s=140)
-    assert results[1].exitcode == 3
+    assert results[1].exitcode == {"killed": -signal.SIGKILL, "raises": 1}.get(when, 3), results[1]
+    if when == "raises":
+        assert "rank 1 failed outside the step" in results[1].error
     text, waited = results[0].value
-    assert "rank 1 was lost" in text, text
+    assert "rank 1 was lost" in text or "rank 1 has closed" in text, text
     assert waited < 60
 
 
@@ -180,14 +187,43 @@ def test_each_rank_holds_only_its_stages_parameters():
 def _with_helpers(rank):
     smpart.init(pipeline_parallel_degree=2, microbatches=1, pin=PINS)
     smpart.barrier()
-    return smpart.rank(), smpart.size(), smpart.pp_rank(), smpart.dp_size(), smpart.tp_size()
+    return (smpart.rank(), smpart.size(), smpart.local_rank(), smpart.pp_rank(), smpart.pp_size(),
+            smpart.dp_rank(), smpart.dp_size(), smpart.tp_rank(), smpart.tp_size())
 
 
 @pytest.mark.timeout(60)
 def test_rank_helpers():
     results = run_ranks(_with_helpers, 2, timeout_s=50)
-    assert [r.value for r in results] == [(0, 2, 0, 1, 1), (1, 2, 1, 1, 1)]
+    assert [r.value for r in results] == [(0, 2, 0, 0, 2, 0, 1, 0, 1), (1, 2, 1, 1, 2, 0, 1, 0, 1)]
 
+
+
+def _users_group(rank):
+    """The user initialised the default group before smpart: smpart uses it and leaves it as it was."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    mine = dist.group.WORLD
+    losses = []
+    for microbatches in (1, 2):  # init -> shutdown -> init with another configuration
+        smpart.init(pipeline_parallel_degree=2, microbatches=microbatches, pin=PINS, timeout_s=60)
+        torch.manual_seed(0)
+        dm = smpart.DistributedModel(Chain())
+        losses.append(_step(dm, torch.ones(4, 4, dtype=torch.float64)).reduce_mean().item())
+        smpart.shutdown()
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)  # the user's group still works, as the user made it
+    return dist.is_initialized() and dist.group.WORLD is mine, total.item(), losses
+
+
+@pytest.mark.timeout(90)
+def test_a_process_group_the_user_initialised_is_used_and_left_alone():
+    results = run_ranks(_users_group, 2, timeout_s=80)
+    for result in results:
+        assert result.error is None, result.error
+        same_group, total, losses = result.value
+        assert same_group and total == 3.0
+        assert losses == pytest.approx(results[0].value[2]) and losses[0] == pytest.approx(losses[1])
 
 
 def _one_replica_fails(rank, where):

@@ -37,7 +37,7 @@ import torch.utils._pytree as pytree
 from smpart.config import Config
 from smpart.distributed.launch import Setup, setup
 from smpart.distributed.transport import ProcessTransport
-from smpart.errors import PipelineError, SmpartError
+from smpart.errors import PeerLost, PipelineError, SmpartError
 from smpart.runtime.data_parallel import GradientReducer, stage_parameters
 from smpart.runtime.messages import MAIN, STAGE, Address, Placed, PlaceModel, StepResult
 from smpart.runtime.placement import place_on_rank, unplace
@@ -102,7 +102,15 @@ class RoutedTransport(Transport):
             return None
 
     def check(self) -> None:
-        self.inner.check()  # a lost peer: every later wait raises it
+        """Raise for a lost peer, and for one that closed its transport: every rank of a replica
+        takes part in every step, so a peer that left (its script raised outside a step and ended
+        through ``smpart.shutdown``, or it stopped calling the step function early) would leave
+        any wait for it to its timeout. Every later wait raises it."""
+        self.inner.check()
+        gone = self.inner.gone
+        if gone:
+            raise PeerLost(gone[0], "it closed its transport (smpart.shutdown(), or the end of its script) "
+                                    "while this rank still runs steps")
 
     def shutdown(self) -> None:
         self.inner.close()

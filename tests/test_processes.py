@@ -162,6 +162,49 @@ def test_hugging_face_gpt2_with_its_defaults_and_changing_sequence_length(world)
     assert sum(owned) <= total_params + 1 and all(n > 0 for n in owned[1:])
 
 
+def _hf_gpt2_full_size(rank):
+    """GPT-2 exactly as `GPT2Config()` builds it (124M parameters, float32), one training step;
+    in eval mode, so that dropout draws no random numbers (their order differs between one
+    process and two)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config()).eval()
+    reference = copy.deepcopy(model)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=120)
+    dm = smpart.DistributedModel(model)
+
+    @smpart.step
+    def step(model, x):
+        out = model(x, labels=x)
+        model.backward(out.loss)
+        return out.loss
+
+    x = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = step(dm, x)
+    losses = []
+    for piece in x.chunk(2):
+        loss = reference(piece, labels=piece).loss
+        (loss / 2).backward()
+        losses.append(loss.detach())
+    grads = dict(dm.named_parameters())
+    worst = max(((grads[n].grad - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12)).item()
+                for n, p in reference.named_parameters() if grads[n].grad is not None)
+    held = sum(p.numel() for p in dm.parameters() if p.device.type != "meta")
+    planned = smpart.partition_of(dm).stage_loads()[smpart.pp_rank()].param_bytes // 4
+    return (out.stack() - torch.stack(losses)).abs().max().item(), worst, held, planned
+
+
+@pytest.mark.timeout(240)
+def test_hugging_face_gpt2_full_size_as_its_default_config_builds_it():
+    reports = values(run_ranks(_hf_gpt2_full_size, 2, timeout_s=230))
+    for loss_diff, worst_grad, held, planned in reports:
+        assert loss_diff <= 1e-4 and worst_grad <= 1e-4, (loss_diff, worst_grad)
+        assert held == planned
+    # each rank holds its own stage's parameters: together the model once (tied weights counted once)
+    assert sum(report[2] for report in reports) == 124_439_808
+
+
 # ---------------------------------------------------------------------------- meta device, eval
 def _meta_built(rank):
     """A model built on the meta device: each rank materialises only its own modules (to_empty and

@@ -114,6 +114,35 @@ def test_a_rank_that_dies_makes_the_others_fail_naming_it(when):
     assert waited < 60
 
 
+class _Peerless:
+    """What `RoutedTransport` needs of a `ProcessTransport`, without processes."""
+
+    bytes_sent: dict = {}
+    peers = [1]
+
+    def check(self):
+        pass
+
+    def send(self, place, item):
+        pass
+
+
+def test_a_peer_that_left_fails_only_the_steps_it_did_not_take_part_in():
+    from smpart.errors import PeerLost
+    from smpart.runtime.messages import MAIN, Leaving
+    from smpart.runtime.processes import RoutedTransport
+
+    transport = RoutedTransport(lambda deliver: _Peerless(), rank=0)
+    transport._arrived((MAIN, Leaving(rank=1, steps=3)))  # rank 1 shut down after steps 0, 1 and 2
+    assert transport.receive((0, MAIN), 0) is None  # noted, not queued for the main thread
+    for step in (None, 0, 2):  # between steps, or finishing a step rank 1 took part in
+        transport.step = step
+        transport.check()
+    transport.step = 3
+    with pytest.raises(PeerLost, match="rank 1 was lost.*after 3 step.*in step 4"):
+        transport.check()
+
+
 def _init_only(rank, config_by_rank):
     try:
         smpart.init(**config_by_rank[rank])

@@ -43,8 +43,6 @@ closing anything: a watchdog thread increments this rank's key in the c10d ``sto
 ``lost_after_s`` (on the local clock, so clocks need not agree) is lost. A peer that closed its
 transport writes ``closed`` there and is no longer watched. Then the rank goes into `lost`,
 `receive` raises `PeerLost` on this and every later call, and `send` to it raises too.
-A peer that closes its transport says goodbye first and is not lost: `gone` names it, and a
-send to it raises. Whether that is an error is the caller's to say (a peer may finish first).
 
 Close, collective: every rank calls `close`. The completion thread waits for what was posted,
 then a goodbye frame goes to every peer not lost; each receiver thread ends on its peer's goodbye or on its
@@ -226,7 +224,6 @@ class ProcessTransport:
         self._lost_order: list[int] = []  # as detected: `receive` names the first, the likely cause
         self._why_lost: dict[int, str] = {}
         self._gone: set[int] = set()  # peers whose goodbye arrived: they closed
-        self._gone_order: list[int] = []
         self._header_group = header_group
         self._data_group = header_group if data_group is None else data_group
         self._data_groups = {pair: g for pair, g in (data_groups or {}).items() if rank in pair}
@@ -297,10 +294,9 @@ class ProcessTransport:
         self._posted.put((place, posted, packed.tensor_bytes))
 
     @property
-    def gone(self) -> list[int]:
-        """The peers that closed their transports (said goodbye), in the order they did."""
-        with self._lock:
-            return list(self._gone_order)
+    def peers(self) -> list[int]:
+        """The ranks this one exchanges messages with."""
+        return list(self._peers)
 
     def check(self) -> None:
         """Raise `PeerLost` for the first peer lost, or the error of a message that arrived but could
@@ -532,7 +528,6 @@ class ProcessTransport:
                 if incoming is None:
                     with self._lock:
                         self._gone.add(peer)
-                        self._gone_order.append(peer)
                     return
                 tensors = self._receive_tensors(peer, incoming.specs)
                 try:

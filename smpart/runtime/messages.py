@@ -267,3 +267,13 @@ class StepResult:
     results: Any = None
     timeline: Any = None
     error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class Leaving:
+    """Processes: rank ``rank`` shuts smpart down after taking part in ``steps`` steps (sent to its
+    peers before its transport closes). A peer still finishing one of those steps goes on; one in
+    a later step would wait for it in vain, and fails instead (`RoutedTransport.check`)."""
+
+    rank: int
+    steps: int

@@ -20,6 +20,7 @@ leave it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import math
@@ -39,7 +40,7 @@ from smpart.distributed.launch import Setup, setup
 from smpart.distributed.transport import ProcessTransport
 from smpart.errors import PeerLost, PipelineError, SmpartError
 from smpart.runtime.data_parallel import GradientReducer, stage_parameters
-from smpart.runtime.messages import MAIN, STAGE, Address, Placed, PlaceModel, StepResult
+from smpart.runtime.messages import MAIN, STAGE, Address, Leaving, Placed, PlaceModel, StepResult
 from smpart.runtime.placement import place_on_rank, unplace
 from smpart.runtime.stage import POLL_S, StageServer
 from smpart.runtime.step_run import StepRun
@@ -62,6 +63,10 @@ class RoutedTransport(Transport):
         self._lock = threading.Lock()
         self.open((rank, MAIN))
         self.expect((rank, STAGE))  # the stage server is made after: what arrives first waits for it
+        #: The step this rank is in (numbered from 0), None between steps.
+        self.step: int | None = None
+        #: Peer -> the steps it took part in before it shut smpart down (`Leaving`).
+        self.left: dict[int, int] = {}
         self.inner = make_inner(self._arrived)
 
     @property  # type: ignore[override]
@@ -102,15 +107,18 @@ class RoutedTransport(Transport):
             return None
 
     def check(self) -> None:
-        """Raise for a lost peer, and for one that closed its transport: every rank of a replica
-        takes part in every step, so a peer that left (its script raised outside a step and ended
-        through ``smpart.shutdown``, or it stopped calling the step function early) would leave
-        any wait for it to its timeout. Every later wait raises it."""
+        """Raise for a lost peer, and, inside a step, for a peer that shut smpart down before
+        taking part in it (its script raised outside a step and ended through
+        ``smpart.shutdown``, or it stopped calling the step function early): it said goodbye, so
+        it is not lost to the transport, but a wait for it would last until its timeout."""
         self.inner.check()
-        gone = self.inner.gone
-        if gone:
-            raise PeerLost(gone[0], "it closed its transport (smpart.shutdown(), or the end of its script) "
-                                    "while this rank still runs steps")
+        step = self.step
+        if step is None:
+            return
+        for peer, steps in list(self.left.items()):
+            if steps <= step:
+                raise PeerLost(peer, f"it shut smpart down after {steps} step(s) (smpart.shutdown(), or the "
+                                     f"end of its script), and this rank is in step {step + 1}")
 
     def shutdown(self) -> None:
         self.inner.close()
@@ -126,7 +134,18 @@ class RoutedTransport(Transport):
 
     def _arrived(self, item: tuple[Any, Any]) -> None:
         """A message from another rank, on the inner transport's receiver thread for that rank."""
-        self._deliver(*item)
+        endpoint, message = item
+        if type(message) is Leaving:
+            self.left[message.rank] = message.steps
+            return
+        self._deliver(endpoint, message)
+
+    def say_leaving(self, steps: int) -> None:
+        """Tell every peer this rank shuts down after ``steps`` steps (best effort: a peer may be
+        gone or closing already)."""
+        for peer in self.inner.peers:
+            with contextlib.suppress(SmpartError):
+                self.inner.send(peer, (MAIN, Leaving(self.rank, steps)))
 
 
 class ProcessRuntime:
@@ -165,6 +184,7 @@ class ProcessRuntime:
         if layout.dp > 1:
             self.server.on_gradients_final = self._start_gradient_sync
         self.steps = itertools.count()
+        self.steps_taken = 0
         self.models: dict[int, DistributedModel] = {}
         self.resident_bytes: dict[int, int] = {}
         self._place_lock = threading.Lock()
@@ -183,10 +203,13 @@ class ProcessRuntime:
             raise SmpartError("an @smpart.step function was called inside another step; steps do not nest")
         with self._step_lock:
             _in_step.active = True
+            step = next(self.steps)
+            self.transport.step = step
             try:
-                step = next(self.steps)
                 return self._drive(step, fn, pieces) if self.is_driver else self._follow(step)
             finally:
+                self.transport.step = None
+                self.steps_taken = step + 1
                 _in_step.active = False
 
     def _drive(self, step: int, fn: Callable, pieces: list[tuple[tuple, dict]]) -> tuple[list[Any], Any]:
@@ -385,6 +408,7 @@ class ProcessRuntime:
             unplace(model.module, self.servers)
             model._runtime = None
         stuck = self.server.stop(timeout_s)
+        self.transport.say_leaving(self.steps_taken)
         self.transport.shutdown()
         return stuck
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import time
 
 import pytest
@@ -109,6 +110,32 @@ def test_nested_shared_and_tied_placements_on_processes():
         for name, worst, stages in report:
             assert stages == 2
             assert worst <= TOL, (name, worst)
+
+
+# ---------------------------------------------------------------------------- SMPART_DEBUG
+@smpart.step
+def _mse_step(model, x, y):
+    loss = F.mse_loss(model(x), y)
+    model.backward(loss)
+    return loss
+
+
+def _debugged(rank):
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, pin={"": 0, "0": 0, "1": 1}, timeout_s=60)
+    model = smpart.DistributedModel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))
+    return _mse_step(model, torch.randn(4, 4), torch.randn(4, 1)).timeline.started
+
+
+@pytest.mark.timeout(90)
+def test_smpart_debug_names_the_rank_on_processes(monkeypatch, capfd):
+    monkeypatch.setenv("SMPART_DEBUG", "1")  # spawned ranks read it when they import smpart
+    started = values(run_ranks(_debugged, 2, timeout_s=80))[0]
+    log = capfd.readouterr().err
+    for stage in (0, 1):  # each rank logs its own stage's work, naming itself
+        for action in started[stage]:
+            line = rf"\[rank {stage} [\w<>-]+\] stage {stage} (runs|resumes) {action}\b"
+            assert re.search(line, log), action
+    assert re.search(r"\[rank 1 [\w<>-]+\] stage 1 receives Request\(step=0, mb=1", log)
 
 
 # ---------------------------------------------------------------------------- Hugging Face

@@ -357,6 +357,7 @@ def main() -> None:
     cpu: dict[tuple[str, str], list[float]] = {}  # CPU seconds per step, all processes of the config
     waited: dict[tuple[str, str], list[float]] = {}  # seconds per step threads waited for a core
     extra: dict[tuple[str, str], dict[str, Any]] = {}
+    per_round: dict[tuple[str, str], list[float]] = {}  # each round's median step of the process configs
     print(f"MLP {BLOCKS} x ({WIDTH}->{HIDDEN}->{WIDTH}) + head, batch {BATCH}, {MICROBATCHES} micro-batches, "
           f"2 stages, 1 intra-op thread per process; {a.rounds} rounds x {a.steps} timed steps "
           f"(after {a.warmup} warm-up) per configuration")
@@ -369,6 +370,7 @@ def main() -> None:
                 results = pool.run(fn, *args)
                 result = results[0]
                 times.setdefault((name, schedule), []).extend(result["times"])
+                per_round.setdefault((name, schedule), []).append(statistics.median(result["times"]))
                 cpu.setdefault((name, schedule), []).append(sum(r["cpu"] for r in results))
                 waited.setdefault((name, schedule), []).append(sum(r["waited"] for r in results))
                 extra[(name, schedule)] = result
@@ -399,7 +401,12 @@ def main() -> None:
     print(f"ideal 2-stage step ((m + 1) / 2m x the micro-batched unsplit step): {ideal * 1e3:.1f} ms")
     for schedule, torch_name in (("1f1b", "Schedule1F1B"), ("gpipe", "ScheduleGPipe")):
         ratio = med[("smpart procs", schedule)] / med[("torch procs", schedule)]
-        print(f"smpart processes / torch {torch_name}: {ratio:.3f}  (goal <= 1.0)")
+        # The two ran next to each other in every round: their ratio round by round is blind to
+        # the machine's speed drifting between rounds.
+        paired = [ours / theirs for ours, theirs in zip(per_round[("smpart procs", schedule)],
+                                                         per_round[("torch procs", schedule)], strict=True)]
+        print(f"smpart processes / torch {torch_name}: {ratio:.3f}  (goal <= 1.0); round by round: "
+              f"{', '.join(f'{r:.3f}' for r in paired)} (median {statistics.median(paired):.3f})")
     for schedule in ("1f1b", "gpipe"):
         ratio = med[("smpart procs", schedule)] / med[("smpart threads", schedule)]
         print(f"smpart processes / smpart threads ({schedule}): {ratio:.3f}")

@@ -226,7 +226,6 @@ def test_rank_helpers():
     assert [r.value for r in results] == [(0, 2, 0, 0, 2, 0, 1, 0, 1), (1, 2, 1, 1, 2, 0, 1, 0, 1)]
 
 
-
 def _users_group(rank):
     """The user initialised the default group before smpart: smpart uses it and leaves it as it was."""
     import torch.distributed as dist

@@ -72,19 +72,27 @@ def _rebuild_pipeline_error(cls: type, message: str, fields: dict) -> PipelineEr
 
 
 class PeerLost(SmpartError):
-    """A peer rank died or stopped answering; the step cannot complete without it."""
+    """A peer rank died or stopped answering (or, ``left``, shut smpart down while this rank still
+    needs it); the step cannot complete without it."""
 
-    def __init__(self, rank: int, detail: str = "") -> None:
-        message = f"rank {rank} was lost (its process died or stopped answering)"
+    def __init__(self, rank: int, detail: str = "", left: bool = False) -> None:
+        if left:
+            message = f"rank {rank} left the job"
+        else:
+            message = f"rank {rank} was lost (its process died or stopped answering)"
         if detail:
             message += f": {detail}"
-        message += ". Its work cannot be recovered in this job: stop and restart it (from a checkpoint)"
+        if left:
+            message += ". Every rank must call the step function the same number of times"
+        else:
+            message += ". Its work cannot be recovered in this job: stop and restart it (from a checkpoint)"
         super().__init__(message)
         self.rank = rank
         self.detail = detail
+        self.left = left
 
     def __reduce__(self) -> tuple:
-        return (PeerLost, (self.rank, self.detail))
+        return (PeerLost, (self.rank, self.detail, self.left))
 
 
 class CheckpointError(SmpartError):

@@ -118,7 +118,7 @@ class RoutedTransport(Transport):
         for peer, steps in list(self.left.items()):
             if steps <= step:
                 raise PeerLost(peer, f"it shut smpart down after {steps} step(s) (smpart.shutdown(), or the "
-                                     f"end of its script), and this rank is in step {step + 1}")
+                                     f"end of its script), and this rank is in step {step + 1}", left=True)
 
     def shutdown(self) -> None:
         self.inner.close()

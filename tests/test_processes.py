@@ -508,13 +508,6 @@ class _Routed(torch.nn.Module):
 SIGNS = [(1, -1), (1, -1), (1, -1), (1, 1), (-1, -1)]
 
 
-@smpart.step
-def _mse_step(model, x, y):
-    loss = F.mse_loss(model(x), y)
-    model.backward(loss)
-    return loss
-
-
 def _early_buckets(rank):
     """Buckets start during the backward once the last step's counts say a gradient is final; a
     gradient arriving after its bucket started (a count grown with the data), a bucket one replica

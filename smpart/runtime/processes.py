@@ -183,8 +183,7 @@ class ProcessRuntime:
         self._reducer_lock = threading.Lock()
         if layout.dp > 1:
             self.server.on_gradients_final = self._start_gradient_sync
-        self.steps = itertools.count()
-        self.steps_taken = 0
+        self.steps_taken = 0  # the next step's number; what `Leaving` tells the peers
         self.models: dict[int, DistributedModel] = {}
         self.resident_bytes: dict[int, int] = {}
         self._place_lock = threading.Lock()
@@ -203,7 +202,7 @@ class ProcessRuntime:
             raise SmpartError("an @smpart.step function was called inside another step; steps do not nest")
         with self._step_lock:
             _in_step.active = True
-            step = next(self.steps)
+            step = self.steps_taken
             self.transport.step = step
             try:
                 return self._drive(step, fn, pieces) if self.is_driver else self._follow(step)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -226,22 +227,33 @@ def test_rank_helpers():
     assert [r.value for r in results] == [(0, 2, 0, 0, 2, 0, 1, 0, 1), (1, 2, 1, 1, 2, 0, 1, 0, 1)]
 
 
+def _os_threads() -> int:
+    """Every thread of this process, torch's own included (Linux), else the Python threads."""
+    tasks = "/proc/self/task"
+    return len(os.listdir(tasks)) if os.path.isdir(tasks) else threading.active_count()
+
+
 def _users_group(rank):
-    """The user initialised the default group before smpart: smpart uses it and leaves it as it was."""
+    """The user initialised the default group before smpart: smpart uses it and leaves it as it was,
+    and a ``shutdown`` leaves behind no process group of its own, nor any thread, but the mesh's."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
     dist.init_process_group("gloo")
+    dist.barrier()
     mine = dist.group.WORLD
-    losses = []
-    for microbatches in (1, 2):  # init -> shutdown -> init with another configuration
+    before = (_os_threads(), len(distributed_c10d._world.pg_map))
+    losses, after = [], []
+    for microbatches in (1, 2, 1):  # init -> shutdown -> init with another configuration
         smpart.init(pipeline_parallel_degree=2, microbatches=microbatches, pin=PINS, timeout_s=60)
         torch.manual_seed(0)
         dm = smpart.DistributedModel(Chain())
         losses.append(_step(dm, torch.ones(4, 4, dtype=torch.float64)).reduce_mean().item())
         smpart.shutdown()
+        after.append((_os_threads(), len(distributed_c10d._world.pg_map)))
     total = torch.tensor([rank + 1.0])
     dist.all_reduce(total)  # the user's group still works, as the user made it
-    return dist.is_initialized() and dist.group.WORLD is mine, total.item(), losses
+    return dist.is_initialized() and dist.group.WORLD is mine, total.item(), losses, before, after
 
 
 @pytest.mark.timeout(90)
@@ -249,9 +261,13 @@ def test_a_process_group_the_user_initialised_is_used_and_left_alone():
     results = run_ranks(_users_group, 2, timeout_s=80)
     for result in results:
         assert result.error is None, result.error
-        same_group, total, losses = result.value
+        same_group, total, losses, before, after = result.value
         assert same_group and total == 3.0
         assert losses == pytest.approx(results[0].value[2]) and losses[0] == pytest.approx(losses[1])
+        # the first init makes the mesh's groups, which later inits with the layout reuse (DTensor
+        # may refer to them); nothing else outlives a shutdown
+        assert after == [after[0]] * 3, f"threads and process groups after each shutdown: {after}"
+        assert after[0][1] - before[1] <= 2, (before, after)
 
 
 def _one_replica_fails(rank, where):

@@ -343,6 +343,7 @@ class ProcessTransport:
         self._stop.set()
         self._join(self._threads, time.monotonic() + _GRACE_S + self._heartbeat_s)
         self._closed = True
+        self._forget_groups()
         _open_transports.discard(self)
         left = [t.name for t in self._threads if t.is_alive()]
         if left:
@@ -360,7 +361,14 @@ class ProcessTransport:
         self._stop.set()
         self._join(self._threads, time.monotonic() + _GRACE_S)
         self._closed = True
+        self._forget_groups()
         _open_transports.discard(self)
+
+    def _forget_groups(self) -> None:
+        """Drop the groups once closed: whoever destroys them frees them (and their threads) now,
+        not when the cycle collector gets to this transport."""
+        self._header_group = self._data_group = None
+        self._data_groups = {}
 
     # -- checks ---------------------------------------------------------------------------------
 

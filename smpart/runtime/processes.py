@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from smpart.config import Config
-from smpart.distributed.launch import Setup, setup
+from smpart.distributed.launch import Setup, release_groups, setup
 from smpart.distributed.transport import ProcessTransport
 from smpart.errors import PeerLost, PipelineError, SmpartError
 from smpart.runtime.data_parallel import GradientReducer, stage_parameters
@@ -409,6 +409,8 @@ class ProcessRuntime:
         stuck = self.server.stop(timeout_s)
         self.transport.say_leaving(self.steps_taken)
         self.transport.shutdown()
+        self.state_group = None
+        release_groups(self.setup)
         return stuck
 
 

@@ -3,6 +3,8 @@
     python -m examples.train_gpt --stages 2                       # every stage on threads
     torchrun --nproc-per-node 2 -m examples.train_gpt             # one process per stage
     torchrun --nproc-per-node 4 -m examples.train_gpt --stages 2  # 2 stages x 2 replicas
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-addr HOST0 --master-port 29500 \
+        -m examples.train_gpt --stages 4                          # on HOST0; node-rank 1 on the other
 
 Prints the loss every few steps (on the first rank) and the final loss as ``final loss <value>``.
 """
@@ -40,6 +42,9 @@ def main() -> None:
         return loss
 
     replicas, replica = smpart.dp_size(), smpart.dp_rank()
+    if smpart.size() > 1:
+        print(f"rank {smpart.rank()} (local rank {smpart.local_rank()}) runs stage {smpart.pp_rank()} "
+              f"of replica {replica}", flush=True)
     for step in range(args.steps):
         (tokens,), _, targets = example.batch(8 * replicas, seed=step)
         mine = slice(8 * replica, 8 * (replica + 1))  # each data-parallel replica takes its share

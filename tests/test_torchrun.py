@@ -16,18 +16,57 @@ from tests.launch import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+SCRIPT = ["-m", "examples.train_gpt", "--steps", "8"]
+
+
 def _final_loss(command: list[str]) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return float(re.search(r"final loss ([0-9.]+)", done.stdout).group(1))
 
 
 @pytest.mark.timeout(300)
 def test_the_example_script_trains_alike_on_threads_and_under_torchrun():
-    script = ["-m", "examples.train_gpt", "--steps", "8"]
-    threads = _final_loss([sys.executable, *script, "--stages", "2"])
+    threads = _final_loss([sys.executable, *SCRIPT, "--stages", "2"])
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", str(free_port()), *script]
+                "--master-port", str(free_port()), *SCRIPT]
     processes = _final_loss(torchrun)
+    assert abs(threads - processes) <= 1e-5, (threads, processes)
+
+
+def _torchrun_node(node: int, port: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+               *SCRIPT, "--stages", "4"]
+    return subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+@pytest.mark.timeout(300)
+def test_the_example_script_trains_alike_on_two_torchrun_nodes():
+    """Two torchrun agents, as on two machines (both on this one): 2 processes each, one stage
+    per process. The ranks of the second node are 2 and 3, their local ranks 0 and 1."""
+    port = str(free_port())
+    nodes = [_torchrun_node(node, port) for node in (0, 1)]
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=240)[0])
+    finally:
+        for node in nodes:  # an agent stopped by SIGTERM stops its workers first
+            if node.poll() is None:
+                node.terminate()
+                try:
+                    node.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    node.kill()
+                    node.wait()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(out[-3000:] for out in outputs)
+    for node, output in enumerate(outputs):  # (rank, local rank, stage) of each process of the node
+        found = sorted(tuple(map(int, seen)) for seen in
+                       re.findall(r"rank (\d+) \(local rank (\d+)\) runs stage (\d+)", output))
+        assert found == [(2 * node + local, local, 2 * node + local) for local in (0, 1)], output[-3000:]
+    processes = float(re.search(r"final loss ([0-9.]+)", outputs[0]).group(1))
+    threads = _final_loss([sys.executable, *SCRIPT, "--stages", "4"])
     assert abs(threads - processes) <= 1e-5, (threads, processes)

@@ -144,29 +144,37 @@ def test_a_peer_that_left_fails_only_the_steps_it_did_not_take_part_in():
         transport.check()
 
 
-def _init_only(rank, config_by_rank):
-    try:
-        smpart.init(**config_by_rank[rank])
-    except smpart.ConfigError as err:
-        return str(err)
-    return "no error"
+def _init_each(rank, configs_by_rank):
+    """``smpart.init`` with each of this rank's configurations in turn, in one launch: what each
+    raised, and how many process groups exist before and after them all."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    dist.init_process_group("gloo")
+    before = len(distributed_c10d._world.pg_map)
+    errors = []
+    for config in configs_by_rank[rank]:
+        try:
+            smpart.init(**config)
+            errors.append("no error")
+        except smpart.ConfigError as err:
+            errors.append(str(err))
+    return errors, before, len(distributed_c10d._world.pg_map)
 
 
 @pytest.mark.timeout(90)
 def test_bad_launches_are_clear_errors_on_every_rank():
-    # the world does not fit the configuration
-    three = {"pipeline_parallel_degree": 3}
-    for result in run_ranks(_init_only, 2, {0: three, 1: three}, timeout_s=60):
-        assert "not a multiple of" in result.value, result
-    # a data-parallel degree that does not multiply up to the world: the processes it needs
-    asked = {"pipeline_parallel_degree": 1, "data_parallel_degree": 4}
-    for result in run_ranks(_init_only, 2, {0: asked, 1: asked}, timeout_s=60):
-        assert "= 4 processes" in result.value, result
-    # ranks disagree about the configuration
-    results = run_ranks(_init_only, 2, {0: {"pipeline_parallel_degree": 2, "microbatches": 2},
-                                        1: {"pipeline_parallel_degree": 2, "microbatches": 4}}, timeout_s=60)
-    for result in results:
-        assert "different configurations" in result.value and "microbatches" in result.value, result
+    three = {"pipeline_parallel_degree": 3}  # the world does not fit the configuration
+    asked = {"pipeline_parallel_degree": 1, "data_parallel_degree": 4}  # dp x pp is not the world
+    disagree = [{"pipeline_parallel_degree": 2, "microbatches": m} for m in (2, 4)]  # per rank
+    configs = {rank: [three, asked, disagree[rank]] for rank in (0, 1)}
+    for result in run_ranks(_init_each, 2, configs, timeout_s=60):
+        assert result.error is None, result.error
+        (fits, processes, differ), before, after = result.value
+        assert "not a multiple of" in fits, fits
+        assert "= 4 processes" in processes, processes
+        assert "different configurations" in differ and "microbatches" in differ, differ
+        assert after == before, f"a refused init left {after - before} process group(s) behind"
 
 
 def _nccl_without_gpu(rank):

@@ -143,10 +143,14 @@ def setup(config: Config) -> Setup:
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     transport_group = dist.new_group(backend="gloo")
-    _check_same_config(config, rank, transport_group)
-    layout = layout_for(config, world)
-    nccl = dist.get_backend() == "nccl"
-    device = rank_device(config, nccl, local_rank, layout.coordinates(rank)[0])
+    try:
+        _check_same_config(config, rank, transport_group)
+        layout = layout_for(config, world)
+        nccl = dist.get_backend() == "nccl"
+        device = rank_device(config, nccl, local_rank, layout.coordinates(rank)[0])
+    except BaseException:
+        dist.destroy_process_group(transport_group)  # a refused configuration leaves nothing behind
+        raise
     if nccl:
         torch.cuda.set_device(device)  # the transport sends and receives on the current device
     collective_group = dist.new_group(backend="gloo")

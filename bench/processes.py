@@ -16,10 +16,13 @@ per rank (and per process on threads), trained five ways in one run of this scri
   instead of one per block of stage 1 (``--no-halves`` skips it).
 
 Besides wall-clock medians, the table gives the CPU time every thread of every process of a
-configuration used per step: the work done, much less sensitive to the machine's load; and the
-time those threads spent ready to run but waiting for a core. On 2 cores with both ranks
-computing, every thread beside the two computing ones takes a core from one of them, so the wait
-of the processes' compute threads is where smpart's extra threads show up as wall-clock time.
+configuration used per step: the work done, much less sensitive to the machine's load; the part
+of it beside the threads that run the stage and the step body (`COMPUTE_THREADS`): the
+transport's threads (receiving, and handling what arrives for an idle stage; completing sends;
+heartbeats) and gloo's own; and the time those threads spent ready to run but waiting for a
+core. On 2 cores with both ranks computing, every thread beside the computing
+ones takes a core from one of them, so the CPU used beside them comes out of the compute, as
+wall-clock time.
 
 The two worker processes are spawned once (`RankPool`) and stay up; the configurations alternate
 round by round (the order of the process ones rotates), so a change in the machine's load hits
@@ -41,6 +44,7 @@ import queue
 import socket
 import statistics
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -221,36 +225,48 @@ def smpart_step(model, x, y):
     return loss
 
 
-def _waited_s() -> float:
-    """Seconds the live threads of this process have spent runnable but not running, waiting for a
-    core (Linux's ``/proc/self/task/*/schedstat``; 0 where it is missing)."""
-    total = 0
-    for tid in os.listdir("/proc/self/task"):
+#: The threads that run the stage and the step body: torch's pipeline runs everything on the main
+#: thread; smpart runs a stage on its server's threads (its dispatcher and workers) and each
+#: micro-batch's step body on a driver thread of its own.
+COMPUTE_THREADS = ("MainThread", "smpart-stage", "smpart-step")
+
+
+def _thread_times() -> dict[int, tuple[float, float, bool]]:
+    """Per live thread of this process: seconds on a core, seconds runnable but waiting for one
+    (Linux's ``/proc/self/task/*/schedstat``; empty where it is missing), and whether it is one
+    of the `COMPUTE_THREADS` (threads torch or gloo started have no Python name: they are not)."""
+    tasks = "/proc/self/task"
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    times = {}
+    for tid in os.listdir(tasks) if os.path.isdir(tasks) else []:
         try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[1])
-        except (OSError, IndexError, ValueError):
+            with open(f"{tasks}/{tid}/schedstat") as f:
+                on_core, waiting = f.read().split()[:2]
+        except (OSError, ValueError):
             continue  # a thread that ended meanwhile
-    return total / 1e9
+        computes = names.get(int(tid), "").startswith(COMPUTE_THREADS)
+        times[int(tid)] = (int(on_core) / 1e9, int(waiting) / 1e9, computes)
+    return times
 
 
-def _timed(one_step: Any, warmup: int, steps: int, cpu: list[float] | None = None,
-           waited: list[float] | None = None) -> list[float]:
-    """Wall-clock seconds of each of ``steps`` steps after ``warmup``; appends to ``cpu`` the CPU
-    seconds per step this whole process (every thread) used meanwhile, and to ``waited`` the
-    seconds per step its threads waited for a core."""
+def _timed(one_step: Any, warmup: int, steps: int, usage: dict[str, float] | None = None) -> list[float]:
+    """Wall-clock seconds of each of ``steps`` steps after ``warmup``. Fills ``usage`` with seconds
+    per step: ``cpu``, what this whole process (every thread) used; ``beside``, what its threads
+    other than the `COMPUTE_THREADS` used; ``waited``, how long its threads waited for a core."""
     for _ in range(warmup):
         one_step()
     times = []
-    cpu_start, waited_start = time.process_time(), _waited_s()
+    cpu_start, threads_start = time.process_time(), _thread_times()
     for _ in range(steps):
         start = time.perf_counter()
         one_step()
         times.append(time.perf_counter() - start)
-    if cpu is not None:
-        cpu.append((time.process_time() - cpu_start) / steps)
-    if waited is not None:
-        waited.append((_waited_s() - waited_start) / steps)
+    if usage is not None:
+        threads = _thread_times()
+        before = {tid: threads_start.get(tid, (0.0, 0.0, False)) for tid in threads}
+        usage.update(cpu=(time.process_time() - cpu_start) / steps,
+                     beside=sum(threads[t][0] - before[t][0] for t in threads if not threads[t][2]) / steps,
+                     waited=sum(threads[t][1] - before[t][1] for t in threads) / steps)
     return times
 
 
@@ -273,13 +289,12 @@ def run_smpart(rank: int | None, schedule: str, warmup: int, steps: int,
             opt.zero_grad()
             last[:] = [out]
 
-        cpu: list[float] = []
-        waited: list[float] = []
-        times = _timed(one_step, warmup, steps, cpu, waited)
+        usage: dict[str, float] = {}
+        times = _timed(one_step, warmup, steps, usage)
         stages = smpart.partition_of(model).module_stages()
         assert all(stages[name] == stage for name, stage in pins.items() if name), "pins not honoured"
         return {"times": times, "bytes_sent": dict(last[0].timeline.bytes_sent),
-                "loss": last[0].reduce_mean().item(), "cpu": cpu[0], "waited": waited[0]}
+                "loss": last[0].reduce_mean().item(), **usage}
     finally:
         smpart.shutdown()
 
@@ -311,15 +326,14 @@ def run_torch(rank: int, schedule: str, warmup: int, steps: int) -> dict[str, An
         opt.zero_grad()
 
     dist.barrier()
-    cpu: list[float] = []
-    waited: list[float] = []
-    times = _timed(one_step, warmup, steps, cpu, waited)
+    usage: dict[str, float] = {}
+    times = _timed(one_step, warmup, steps, usage)
     dist.barrier()
-    return {"times": times, "loss": torch.stack(losses).mean().item() if losses else None, "cpu": cpu[0],
-            "waited": waited[0]}
+    return {"times": times, "loss": torch.stack(losses).mean().item() if losses else None, **usage}
 
 
-def run_unsplit(warmup: int, steps: int, microbatched: bool, cpu: list[float] | None = None) -> list[float]:
+def run_unsplit(warmup: int, steps: int, microbatched: bool,
+                usage: dict[str, float] | None = None) -> list[float]:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = make_batch()
@@ -333,7 +347,7 @@ def run_unsplit(warmup: int, steps: int, microbatched: bool, cpu: list[float] | 
         opt.step()
         opt.zero_grad()
 
-    return _timed(one_step, warmup, steps, cpu)
+    return _timed(one_step, warmup, steps, usage)
 
 
 def _ms(seconds: float) -> str:
@@ -355,6 +369,7 @@ def main() -> None:
         proc_configs.append(("smpart procs", "1f1b halves"))
     times: dict[tuple[str, str], list[float]] = {}
     cpu: dict[tuple[str, str], list[float]] = {}  # CPU seconds per step, all processes of the config
+    beside: dict[tuple[str, str], list[float]] = {}  # the part of it outside the compute threads
     waited: dict[tuple[str, str], list[float]] = {}  # seconds per step threads waited for a core
     extra: dict[tuple[str, str], dict[str, Any]] = {}
     per_round: dict[tuple[str, str], list[float]] = {}  # each round's median step of the process configs
@@ -372,6 +387,7 @@ def main() -> None:
                 times.setdefault((name, schedule), []).extend(result["times"])
                 per_round.setdefault((name, schedule), []).append(statistics.median(result["times"]))
                 cpu.setdefault((name, schedule), []).append(sum(r["cpu"] for r in results))
+                beside.setdefault((name, schedule), []).append(sum(r["beside"] for r in results))
                 waited.setdefault((name, schedule), []).append(sum(r["waited"] for r in results))
                 extra[(name, schedule)] = result
             for schedule in ("1f1b", "gpipe"):
@@ -382,22 +398,28 @@ def main() -> None:
                 extra[("smpart threads", schedule)] = result
             for microbatched in (False, True):
                 key = ("unsplit", "4 micro-batches" if microbatched else "full batch")
-                used: list[float] = []
+                used: dict[str, float] = {}
                 times.setdefault(key, []).extend(run_unsplit(a.warmup, a.steps, microbatched, used))
-                cpu.setdefault(key, []).extend(used)
+                cpu.setdefault(key, []).append(used["cpu"])
             print(f"  round {r + 1}/{a.rounds} done", flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     micro = med[("unsplit", "4 micro-batches")]
     ideal = micro * (MICROBATCHES + STAGES - 1) / (MICROBATCHES * STAGES)
     print(f"\n{'configuration':<16} {'schedule':<16} {'median ms':>9} {'min ms':>8} {'max ms':>8} "
-          f"{'/ ideal':>8} {'n':>4} {'CPU ms/step':>11} {'waited ms/step':>14}")
+          f"{'/ ideal':>8} {'n':>4} {'CPU ms/step':>11} {'beside ms/step':>14} {'waited ms/step':>14}")
+
+    def column(values: dict[tuple[str, str], list[float]], key: tuple[str, str]) -> str:
+        return _ms(statistics.median(values[key])) if key in values else ""
+
     for key, values in times.items():
         print(f"{key[0]:<16} {key[1]:<16} {_ms(med[key]):>9} {_ms(min(values)):>8} {_ms(max(values)):>8} "
-              f"{med[key] / ideal:8.3f} {len(values):>4} {_ms(statistics.median(cpu[key])):>11} "
-              f"{_ms(statistics.median(waited[key])) if key in waited else '':>14}")
+              f"{med[key] / ideal:8.3f} {len(values):>4} {column(cpu, key):>11} {column(beside, key):>14} "
+              f"{column(waited, key):>14}")
     print("(CPU ms/step: CPU time of every thread of every process of the configuration, per step: "
-          "the work done, whatever the machine's load. waited ms/step: time those threads were ready "
-          "to run but waited for a core, from /proc/self/task/*/schedstat)")
+          "the work done, whatever the machine's load. beside ms/step: the part of it outside the "
+          "threads that run the stage and the step body: the transport's threads and gloo's own. "
+          "waited ms/step: time those threads were ready to run but waited for a "
+          "core, from /proc/self/task/*/schedstat)")
     print(f"ideal 2-stage step ((m + 1) / 2m x the micro-batched unsplit step): {ideal * 1e3:.1f} ms")
     for schedule, torch_name in (("1f1b", "Schedule1F1B"), ("gpipe", "ScheduleGPipe")):
         ratio = med[("smpart procs", schedule)] / med[("torch procs", schedule)]

@@ -242,8 +242,8 @@ def _os_threads() -> int:
 
 
 def _users_group(rank):
-    """The user initialised the default group before smpart: smpart uses it and leaves it as it was,
-    and a ``shutdown`` leaves behind no process group of its own, nor any thread, but the mesh's."""
+    """The user initialised the default group before smpart: smpart uses it and leaves it as it was.
+    Nothing of an init outlives its ``shutdown`` (no process group, no thread) but the mesh."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 

@@ -328,6 +328,40 @@ def test_a_batch_of_promised_calls_runs_on_one_thread():
     assert [counts[(last, mb)] for mb in range(MICROBATCHES)] == [1] * MICROBATCHES, counts
 
 
+@pytest.mark.timeout(60)
+def test_a_batch_that_arrives_before_its_step_begins_still_runs_on_one_thread(monkeypatch):
+    """Under load the root's `Batch` can reach stage 1 before stage 1 has begun the step: it is
+    kept until then and runs whole, not as a call each (a CI run of the test above failed so). Here
+    stage 1's `BeginStep` of the third step is held back until that step's batch has arrived."""
+    from smpart.runtime.messages import STAGE, Batch, BeginStep
+    from smpart.runtime.transport import ThreadTransport
+
+    send, held, order = ThreadTransport.send, [], []
+
+    def reordering(self, src, address, message):
+        step = message.messages[0].step if isinstance(message, Batch) else getattr(message, "step", None)
+        if address == (1, STAGE) and step == 2:
+            order.append(type(message).__name__)
+            if isinstance(message, BeginStep) and len(order) == 1:
+                held.append((src, message))
+                return
+            send(self, src, address, message)  # the message after it overtakes it
+            while held:
+                sender, begin = held.pop()
+                send(self, sender, address, begin)
+            return
+        send(self, src, address, message)
+
+    monkeypatch.setattr(ThreadTransport, "send", reordering)
+    _threads.clear()
+    torch.manual_seed(0)
+    model = Chain().double()
+    model.blocks = nn.ModuleList([ThreadRecordingBlock() for _ in model.blocks]).double()
+    assert _train(model, 2, _pins([1, 1, 1, 1]), steps=3) <= 1e-9
+    assert order[:2] == ["BeginStep", "Batch"]  # the step's batch came first, as arranged
+    assert [len(_threads[(2, mb)]) for mb in range(MICROBATCHES)] == [1] * MICROBATCHES, _threads
+
+
 def test_the_switch_is_validated():
     with pytest.raises(smpart.SmpartError, match="promised_calls must be True or False"):
         smpart.init(pipeline_parallel_degree=1, promised_calls="yes")

@@ -92,6 +92,11 @@ class Batch:
 
     messages: list
 
+    @property
+    def step(self) -> int:
+        """The step of its messages (all of one step)."""
+        return self.messages[0].step
+
 
 @dataclass(slots=True)
 class Fetch:

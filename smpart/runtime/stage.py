@@ -367,22 +367,18 @@ class StageServer:
             self._abort_running()
         elif isinstance(message, Armed):
             self._begin_ready_steps()
-        elif isinstance(message, Batch):  # every call reserves its place before any of them runs
-            self._starting = []
-            for each in message.messages:
-                self._admit(each)
-            calls, self._starting = self._starting, None
-            if calls:
-                self.transport.start(_one_after_another(calls), self.workers.submit)
         else:
             self._admit(message)
 
     def _admit(self, message: Any) -> None:
-        """Handle ``message`` now, or keep it until its step begins here."""
+        """Handle ``message`` now, or keep it until its step begins here (a `Batch` whole)."""
         step = message.step
         current = self.run.step if self.run is not None else self._last_step
         if step > current and not (isinstance(message, BeginStep) and step <= self.armed):
             self._early[step].append(message)
+            return
+        if isinstance(message, Batch):
+            self._admit_batch(message)
             return
         if DEBUG:
             debug("stage %d receives %s", self.stage, _describe(message))
@@ -394,6 +390,16 @@ class StageServer:
         if isinstance(message, BeginStep):
             for early in self._early.pop(step, []):
                 self._admit(early)
+
+    def _admit_batch(self, batch: Batch) -> None:
+        """Admit a batch's messages in order; every call reserves its place before any of them
+        runs, and the calls run one after another as one job."""
+        self._starting = []
+        for each in batch.messages:
+            self._admit(each)
+        calls, self._starting = self._starting, None
+        if calls:
+            self.transport.start(_one_after_another(calls), self.workers.submit)
 
     def _begin_ready_steps(self) -> None:
         for step in sorted(self._early):

@@ -139,6 +139,23 @@ def test_smpart_debug_names_the_rank_on_processes(monkeypatch, capfd):
 
 
 # ---------------------------------------------------------------------------- Hugging Face
+@smpart.step
+def _lm_step(model, x):
+    out = model(x, labels=x)  # Hugging Face's own loss: the labels are the inputs
+    model.backward(out.loss)
+    return out.loss
+
+
+def _unsplit_losses(reference, x: torch.Tensor, microbatches: int = 2) -> torch.Tensor:
+    """Each micro-batch's loss of the unsplit model, its gradients accumulated as the pipeline's."""
+    losses = []
+    for piece in x.chunk(microbatches):
+        loss = reference(piece, labels=piece).loss
+        (loss / microbatches).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
 def _hf_gpt2(rank):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -150,26 +167,16 @@ def _hf_gpt2(rank):
     smpart.init(pipeline_parallel_degree=int(os.environ["WORLD_SIZE"]), microbatches=2, timeout_s=60)
     dm = smpart.DistributedModel(model)
 
-    @smpart.step
-    def step(model, x):
-        out = model(x, labels=x)
-        model.backward(out.loss)
-        return out.loss
-
     report = []
     for seq in (8, 12, 5):  # the sequence length changes from step to step
         x = torch.randint(0, 64, (4, seq), generator=torch.Generator().manual_seed(seq))
-        out = step(dm, x)
-        losses = []
-        for piece in x.chunk(2):
-            loss = reference(piece, labels=piece).loss
-            (loss / 2).backward()
-            losses.append(loss.detach())
+        out = _lm_step(dm, x)
+        losses = _unsplit_losses(reference, x)
         grads = dict(dm.named_parameters())
         grad_diff = max((grads[n].grad - p.grad).abs().max().item() for n, p in reference.named_parameters()
                         if grads[n].grad is not None)
         owned = sum(p.grad is not None for p in dm.parameters())
-        report.append((seq, (out.stack() - torch.stack(losses)).abs().max().item(), grad_diff, owned,
+        report.append((seq, (out.stack() - losses).abs().max().item(), grad_diff, owned,
                        out.timeline.bytes_sent))
         dm.zero_grad()
         reference.zero_grad()
@@ -201,25 +208,15 @@ def _hf_gpt2_full_size(rank):
     smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=120)
     dm = smpart.DistributedModel(model)
 
-    @smpart.step
-    def step(model, x):
-        out = model(x, labels=x)
-        model.backward(out.loss)
-        return out.loss
-
     x = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
-    out = step(dm, x)
-    losses = []
-    for piece in x.chunk(2):
-        loss = reference(piece, labels=piece).loss
-        (loss / 2).backward()
-        losses.append(loss.detach())
+    out = _lm_step(dm, x)
+    losses = _unsplit_losses(reference, x)
     grads = dict(dm.named_parameters())
     worst = max(((grads[n].grad - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12)).item()
                 for n, p in reference.named_parameters() if grads[n].grad is not None)
     held = sum(p.numel() for p in dm.parameters() if p.device.type != "meta")
     planned = smpart.partition_of(dm).stage_loads()[smpart.pp_rank()].param_bytes // 4
-    return (out.stack() - torch.stack(losses)).abs().max().item(), worst, held, planned
+    return (out.stack() - losses).abs().max().item(), worst, held, planned
 
 
 @pytest.mark.timeout(240)

@@ -24,13 +24,20 @@ core. On 2 cores with both ranks computing, every thread beside the computing
 ones takes a core from one of them, so the CPU used beside them comes out of the compute, as
 wall-clock time.
 
+``--by-thread`` also prints, per rank of each process configuration, where that CPU and waiting
+went, thread by thread (the stage's workers, its dispatcher, the transport's receiver and sender,
+gloo's socket loops, the main thread, and threads that ended within the step: the drivers).
+``--pin`` pins each rank to a core of its own (``sched_setaffinity``): a thread that then waits for
+a core waits for a thread of its own rank, so the two runs together tell contention inside a rank
+from contention between the ranks.
+
 The two worker processes are spawned once (`RankPool`) and stay up; the configurations alternate
 round by round (the order of the process ones rotates), so a change in the machine's load hits
 them alike. Each round of each configuration initialises afresh, warms up, and times ``--steps``
 steps on rank 0 (the driver); medians over all rounds. The ideal pipelined step of 2 perfectly
 balanced stages is ``(m + 1) / (2 m)`` of the micro-batched unsplit step (``m`` micro-batches).
 
-    .venv/bin/python bench/processes.py [--rounds 3] [--steps 7] [--warmup 3]
+    .venv/bin/python bench/processes.py [--rounds 3] [--steps 7] [--warmup 3] [--by-thread] [--pin]
 
 `RankPool` is also what `bench/overhead.py` and `bench/pipeline_efficiency.py` launch processes with.
 """
@@ -39,8 +46,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import queue
+import re
 import socket
 import statistics
 import sys
@@ -68,8 +77,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _serve(rank: int, world_size: int, port: int, inbox: Any, results: Any, idle_s: float) -> None:
-    """A worker: join the gloo job, then run the commands the parent sends until told to stop."""
+def _serve(rank: int, world_size: int, port: int, inbox: Any, results: Any, idle_s: float,
+           pin: bool = False) -> None:
+    """A worker: join the gloo job, then run the commands the parent sends until told to stop.
+    ``pin``: on a core of its own, before any thread starts (threads inherit their creator's)."""
+    if pin:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
@@ -110,7 +124,7 @@ class RankPool:
     would take the cores from whatever this process measures next (on 2 cores, 4 starting
     workers slowed a threaded pipeline measured meanwhile by ~20%)."""
 
-    def __init__(self, world_size: int, idle_s: float = 900.0) -> None:
+    def __init__(self, world_size: int, idle_s: float = 900.0, pin: bool = False) -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         port = _free_port()
@@ -118,7 +132,7 @@ class RankPool:
         self._results = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
         self._procs = [ctx.Process(target=_serve, daemon=True, name=f"bench-rank-{r}",
-                                   args=(r, world_size, port, self._inboxes[r], self._results, idle_s))
+                                   args=(r, world_size, port, self._inboxes[r], self._results, idle_s, pin))
                        for r in range(world_size)]
         for proc in self._procs:
             proc.start()
@@ -231,10 +245,11 @@ def smpart_step(model, x, y):
 COMPUTE_THREADS = ("MainThread", "smpart-stage", "smpart-step")
 
 
-def _thread_times() -> dict[int, tuple[float, float, bool]]:
+def _thread_times() -> dict[int, tuple[float, float, bool, str]]:
     """Per live thread of this process: seconds on a core, seconds runnable but waiting for one
-    (Linux's ``/proc/self/task/*/schedstat``; empty where it is missing), and whether it is one
-    of the `COMPUTE_THREADS` (threads torch or gloo started have no Python name: they are not)."""
+    (Linux's ``/proc/self/task/*/schedstat``; empty where it is missing), whether it is one of
+    the `COMPUTE_THREADS` (threads torch or gloo started have no Python name: they are not), and
+    its role (`_role`)."""
     tasks = "/proc/self/task"
     names = {t.native_id: t.name for t in threading.enumerate()}
     times = {}
@@ -242,17 +257,32 @@ def _thread_times() -> dict[int, tuple[float, float, bool]]:
         try:
             with open(f"{tasks}/{tid}/schedstat") as f:
                 on_core, waiting = f.read().split()[:2]
+            name = names.get(int(tid)) or "native " + Path(f"{tasks}/{tid}/comm").read_text().strip()
         except (OSError, ValueError):
             continue  # a thread that ended meanwhile
-        computes = names.get(int(tid), "").startswith(COMPUTE_THREADS)
-        times[int(tid)] = (int(on_core) / 1e9, int(waiting) / 1e9, computes)
+        computes = name.startswith(COMPUTE_THREADS)
+        times[int(tid)] = (int(on_core) / 1e9, int(waiting) / 1e9, computes, _role(name))
     return times
+
+
+def _role(name: str) -> str:
+    """What a thread does, from its name: ``smpart-stage1-2`` (a worker of stage 1) -> ``stage workers``."""
+    if re.fullmatch(r"smpart-stage\d+-\d+", name):
+        return "stage workers"
+    if re.fullmatch(r"smpart-stage\d+", name):
+        return "stage dispatcher"
+    if name.startswith("smpart-receive"):
+        return "transport receiver"
+    if name.startswith("smpart-send"):
+        return "transport sender"
+    return re.sub(r"[-_]?\d+$", "", name)
 
 
 def _timed(one_step: Any, warmup: int, steps: int, usage: dict[str, float] | None = None) -> list[float]:
     """Wall-clock seconds of each of ``steps`` steps after ``warmup``. Fills ``usage`` with seconds
     per step: ``cpu``, what this whole process (every thread) used; ``beside``, what its threads
-    other than the `COMPUTE_THREADS` used; ``waited``, how long its threads waited for a core."""
+    other than the `COMPUTE_THREADS` used; ``waited``, how long its threads waited for a core;
+    ``roles``, both per kind of thread (`_role`), ``[cpu, waited]``."""
     for _ in range(warmup):
         one_step()
     times = []
@@ -263,10 +293,19 @@ def _timed(one_step: Any, warmup: int, steps: int, usage: dict[str, float] | Non
         times.append(time.perf_counter() - start)
     if usage is not None:
         threads = _thread_times()
-        before = {tid: threads_start.get(tid, (0.0, 0.0, False)) for tid in threads}
-        usage.update(cpu=(time.process_time() - cpu_start) / steps,
+        before = {tid: threads_start.get(tid, (0.0, 0.0)) for tid in threads}
+        used = (time.process_time() - cpu_start) / steps
+        usage.update(cpu=used,
                      beside=sum(threads[t][0] - before[t][0] for t in threads if not threads[t][2]) / steps,
                      waited=sum(threads[t][1] - before[t][1] for t in threads) / steps)
+        roles: dict[str, list[float]] = {}
+        for tid, (on_core, waiting, _computes, role) in threads.items():
+            totals = roles.setdefault(role, [0.0, 0.0])
+            totals[0] += (on_core - before[tid][0]) / steps
+            totals[1] += (waiting - before[tid][1]) / steps
+        # Threads that ended within the steps (a step's drivers) are in the process's CPU only.
+        roles["ended within the step"] = [max(0.0, used - sum(t[0] for t in roles.values())), float("nan")]
+        usage["roles"] = roles
     return times
 
 
@@ -354,6 +393,23 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:7.1f}"
 
 
+def _print_roles(roles: dict[tuple[str, str], list[list[dict[str, list[float]]]]]) -> None:
+    """Per process configuration and rank: each kind of thread's CPU and time waiting for a core,
+    ms per step (medians over the rounds)."""
+    print("\nby thread, per rank (ms per step, medians over the rounds): CPU / waited for a core")
+    for (name, schedule), per_rank in roles.items():
+        for rank, rounds in enumerate(per_rank):
+            kinds = sorted({kind for each in rounds for kind in each},
+                           key=lambda kind: -statistics.median(each.get(kind, [0.0])[0] for each in rounds))
+            cells = []
+            for kind in kinds:
+                used = statistics.median(each.get(kind, [0.0, 0.0])[0] for each in rounds)
+                wait = statistics.median(each.get(kind, [0.0, 0.0])[1] for each in rounds)
+                if used >= 0.05e-3:
+                    cells.append(f"{kind} {_ms(used)}" + ("" if math.isnan(wait) else f" / {_ms(wait)}"))
+            print(f"  {name + ' ' + schedule:<24} rank {rank}: " + ", ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -361,6 +417,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-halves", dest="halves", action="store_false",
                         help="skip the diagnostic run of the same layers grouped in two halves")
+    parser.add_argument("--by-thread", action="store_true",
+                        help="also print where each rank's CPU and waiting went, thread by thread")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin each rank (of the process configurations) to a core of its own")
     a = parser.parse_args()
     torch.set_num_threads(1)
     proc_configs = [("smpart procs", "1f1b"), ("torch procs", "1f1b"), ("smpart procs", "gpipe"),
@@ -373,10 +433,11 @@ def main() -> None:
     waited: dict[tuple[str, str], list[float]] = {}  # seconds per step threads waited for a core
     extra: dict[tuple[str, str], dict[str, Any]] = {}
     per_round: dict[tuple[str, str], list[float]] = {}  # each round's median step of the process configs
+    roles: dict[tuple[str, str], list[list[dict[str, list[float]]]]] = {}  # per config, rank: every round's
     print(f"MLP {BLOCKS} x ({WIDTH}->{HIDDEN}->{WIDTH}) + head, batch {BATCH}, {MICROBATCHES} micro-batches, "
           f"2 stages, 1 intra-op thread per process; {a.rounds} rounds x {a.steps} timed steps "
-          f"(after {a.warmup} warm-up) per configuration")
-    with RankPool(STAGES) as pool:
+          f"(after {a.warmup} warm-up) per configuration{'; each rank on a core of its own' * a.pin}")
+    with RankPool(STAGES, pin=a.pin) as pool:
         for r in range(a.rounds):
             order = proc_configs[r % len(proc_configs):] + proc_configs[:r % len(proc_configs)]
             for name, schedule in order:
@@ -389,6 +450,8 @@ def main() -> None:
                 cpu.setdefault((name, schedule), []).append(sum(r["cpu"] for r in results))
                 beside.setdefault((name, schedule), []).append(sum(r["beside"] for r in results))
                 waited.setdefault((name, schedule), []).append(sum(r["waited"] for r in results))
+                for rank, each in enumerate(results):
+                    roles.setdefault((name, schedule), [[] for _ in results])[rank].append(each["roles"])
                 extra[(name, schedule)] = result
             for schedule in ("1f1b", "gpipe"):
                 result = run_smpart(None, schedule, a.warmup, a.steps)
@@ -435,6 +498,8 @@ def main() -> None:
     sent = extra[("smpart procs", "1f1b")]["bytes_sent"]
     print(f"smpart bytes between stages per step (processes, 1f1b): {sent}; activation "
           f"{BATCH} x {WIDTH} x 4 B = {BATCH * WIDTH * 4} each way")
+    if a.by_thread:
+        _print_roles(roles)
     if ("smpart procs", "1f1b halves") in med:
         ratio = med[("smpart procs", "1f1b halves")] / med[("torch procs", "1f1b")]
         print(f"diagnostic, the same layers in two halves (one cross-stage call per micro-batch) / torch "

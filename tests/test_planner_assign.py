@@ -6,11 +6,15 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from smpart.errors import PlanError
 from smpart.planner import assign_layers
+
+#: `assign_layers` counts a stage as fitting its memory cap within this relative slack (float
+#: round-off of its prefix sums; see its module docstring), so the reference does too.
+FIT_SLACK = 1e-12
 
 
 def brute_force(costs, k, microbatches, cuts=None, speeds=None, memory=None, caps=None):
@@ -22,7 +26,8 @@ def brute_force(costs, k, microbatches, cuts=None, speeds=None, memory=None, cap
         starts = (0, *inner)
         bounds = [*starts, num]
         times = [sum(costs[bounds[i]:bounds[i + 1]]) / speeds[i] for i in range(k)]
-        if memory is not None and any(sum(memory[bounds[i]:bounds[i + 1]]) > caps[i] for i in range(k)):
+        if memory is not None and any(sum(memory[bounds[i]:bounds[i + 1]]) > caps[i] * (1 + FIT_SLACK)
+                                      for i in range(k)):
             continue
         cut = 0.0
         if cuts is not None:
@@ -57,6 +62,10 @@ def problems(draw):
 
 @settings(max_examples=400, deadline=None)
 @given(problems())
+# A stage over its cap by one ulp fits within the slack (found by hypothesis in CI).
+@example(([0.0] * 6 + [0.5, 0.5], 2, 2, None, None, [0.0] * 5 + [1.0, 2.220446049250313e-16, 0.0],
+          [1.0, 1.0]))
+@example(([0.0] * 7, 1, 1, None, None, [0.0] * 6 + [1.0000000000000002], [1.0]))
 def test_matches_brute_force(problem):
     costs, k, microbatches, cuts, speeds, memory, caps = problem
     expected = brute_force(costs, k, microbatches, cuts, speeds, memory, caps)

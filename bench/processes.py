@@ -13,7 +13,10 @@ per rank (and per process on threads), trained five ways in one run of this scri
   one after the other (the pipeline's own work without a pipeline);
 - diagnostic, ``smpart procs / 1f1b halves``: the same layers and weights grouped into two
   ``nn.Sequential`` halves (`Halves`), so the root makes one cross-stage call per micro-batch
-  instead of one per block of stage 1 (``--no-halves`` skips it).
+  instead of one per block of stage 1 (``--no-halves`` skips it);
+- diagnostic, ``one thread/rank``: the yardstick of `bench.one_thread`, smpart's transport,
+  1f1b order and loss on the first rank, with all of a rank's work on one thread and none of
+  the runtime (``--no-one-thread`` skips it).
 
 Besides wall-clock medians, the table gives the CPU time every thread of every process of a
 configuration used per step: the work done, much less sensitive to the machine's load; the part
@@ -330,12 +333,27 @@ def run_smpart(rank: int | None, schedule: str, warmup: int, steps: int,
 
         usage: dict[str, float] = {}
         times = _timed(one_step, warmup, steps, usage)
+        if rank is not None:
+            dist.barrier()  # every rank has measured before any shuts down (a closed peer's receiver ends)
         stages = smpart.partition_of(model).module_stages()
         assert all(stages[name] == stage for name, stage in pins.items() if name), "pins not honoured"
         return {"times": times, "bytes_sent": dict(last[0].timeline.bytes_sent),
                 "loss": last[0].reduce_mean().item(), **usage}
     finally:
         smpart.shutdown()
+
+
+def run_one_thread(rank: int, schedule: str, warmup: int, steps: int) -> dict[str, Any]:
+    """The yardstick of `bench.one_thread`: smpart's transport and order of work, one thread a rank."""
+    from bench import one_thread
+
+    full = make_model()
+    half = BLOCKS // 2
+    first, second = nn.Sequential(*full.blocks[:half]), nn.Sequential(*full.blocks[half:], full.head)
+    usage: dict[str, Any] = {}
+    times = one_thread.run(rank, first, second, *make_batch(), schedule, MICROBATCHES,
+                           lambda one_step: _timed(one_step, warmup, steps, usage))
+    return {"times": times, **usage}
 
 
 def run_torch(rank: int, schedule: str, warmup: int, steps: int) -> dict[str, Any]:
@@ -417,6 +435,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-halves", dest="halves", action="store_false",
                         help="skip the diagnostic run of the same layers grouped in two halves")
+    parser.add_argument("--no-one-thread", dest="one_thread", action="store_false",
+                        help="skip the one-thread-per-rank yardstick (bench/one_thread.py)")
     parser.add_argument("--by-thread", action="store_true",
                         help="also print where each rank's CPU and waiting went, thread by thread")
     parser.add_argument("--pin", action="store_true",
@@ -427,6 +447,8 @@ def main() -> None:
                     ("torch procs", "gpipe")]
     if a.halves:
         proc_configs.append(("smpart procs", "1f1b halves"))
+    if a.one_thread:
+        proc_configs.append(("one thread/rank", "1f1b"))
     times: dict[tuple[str, str], list[float]] = {}
     cpu: dict[tuple[str, str], list[float]] = {}  # CPU seconds per step, all processes of the config
     beside: dict[tuple[str, str], list[float]] = {}  # the part of it outside the compute threads
@@ -441,7 +463,7 @@ def main() -> None:
         for r in range(a.rounds):
             order = proc_configs[r % len(proc_configs):] + proc_configs[:r % len(proc_configs)]
             for name, schedule in order:
-                fn = run_smpart if name.startswith("smpart") else run_torch
+                fn = {"smpart": run_smpart, "torch": run_torch, "one": run_one_thread}[name.split()[0]]
                 args = (schedule.split()[0], a.warmup, a.steps) + ((True,) if "halves" in schedule else ())
                 results = pool.run(fn, *args)
                 result = results[0]
@@ -498,6 +520,13 @@ def main() -> None:
     sent = extra[("smpart procs", "1f1b")]["bytes_sent"]
     print(f"smpart bytes between stages per step (processes, 1f1b): {sent}; activation "
           f"{BATCH} x {WIDTH} x 4 B = {BATCH * WIDTH * 4} each way")
+    if ("one thread/rank", "1f1b") in med:
+        paired = [ours / theirs for ours, theirs in zip(per_round[("one thread/rank", "1f1b")],
+                                                         per_round[("torch procs", "1f1b")], strict=True)]
+        ratio = med[("one thread/rank", "1f1b")] / med[("torch procs", "1f1b")]
+        print(f"diagnostic, smpart's transport and 1f1b order on one thread per rank (bench/one_thread.py) / "
+              f"torch Schedule1F1B: {ratio:.3f}; round by round {', '.join(f'{r:.3f}' for r in paired)} "
+              f"(median {statistics.median(paired):.3f})")
     if a.by_thread:
         _print_roles(roles)
     if ("smpart procs", "1f1b halves") in med:

@@ -347,11 +347,9 @@ def run_one_thread(rank: int, schedule: str, warmup: int, steps: int) -> dict[st
     """The yardstick of `bench.one_thread`: smpart's transport and order of work, one thread a rank."""
     from bench import one_thread
 
-    full = make_model()
-    half = BLOCKS // 2
-    first, second = nn.Sequential(*full.blocks[:half]), nn.Sequential(*full.blocks[half:], full.head)
+    halves = Halves(make_model())
     usage: dict[str, Any] = {}
-    times = one_thread.run(rank, first, second, *make_batch(), schedule, MICROBATCHES,
+    times = one_thread.run(rank, halves.first, halves.second, *make_batch(), schedule, MICROBATCHES,
                            lambda one_step: _timed(one_step, warmup, steps, usage))
     return {"times": times, **usage}
 
@@ -360,12 +358,8 @@ def run_torch(rank: int, schedule: str, warmup: int, steps: int) -> dict[str, An
     """torch.distributed.pipelining over hand-built stages on the pool's default (gloo) group."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    full = make_model()
-    half = BLOCKS // 2
-    if rank == 0:
-        module: nn.Module = nn.Sequential(*full.blocks[:half])
-    else:
-        module = nn.Sequential(*full.blocks[half:], full.head)
+    halves = Halves(make_model())
+    module = halves.first if rank == 0 else halves.second
     stage = PipelineStage(module, rank, STAGES, torch.device("cpu"))
     kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
     sched = kind(stage, MICROBATCHES, loss_fn=F.cross_entropy)

@@ -333,13 +333,13 @@ def test_a_batch_that_arrives_before_its_step_begins_still_runs_on_one_thread(mo
     """Under load the root's `Batch` can reach stage 1 before stage 1 has begun the step: it is
     kept until then and runs whole, not as a call each (a CI run of the test above failed so). Here
     stage 1's `BeginStep` of the third step is held back until that step's batch has arrived."""
-    from smpart.runtime.messages import STAGE, Batch, BeginStep
+    from smpart.runtime.messages import STAGE, BeginStep
     from smpart.runtime.transport import ThreadTransport
 
     send, held, order = ThreadTransport.send, [], []
 
     def reordering(self, src, address, message):
-        step = message.messages[0].step if isinstance(message, Batch) else getattr(message, "step", None)
+        step = getattr(message, "step", None)
         if address == (1, STAGE) and step == 2:
             order.append(type(message).__name__)
             if isinstance(message, BeginStep) and len(order) == 1:

@@ -16,6 +16,7 @@ from torch import nn
 
 from examples.models import gpt2
 from smpart.checkpoint import MARKER, CheckpointError, load_checkpoint, load_weights, save_checkpoint
+from tests.launch import CONTEXT
 
 
 def gpt(seed: int = 0, dropout: float = 0.0, **sizes):
@@ -365,7 +366,7 @@ def test_any_layout_loads_into_any_other(tmp_path):
     save_checkpoint(tmp_path / "plain", plain.model, plain_optimizer)
 
     mp.start_processes(_two_stage_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2,
-                       start_method="spawn", join=True)
+                       start_method=CONTEXT.get_start_method(), join=True)
 
     # stages -> plain
     model = gpt(n_layer=2, seed=11).model
@@ -500,7 +501,7 @@ def test_tensor_parallel_shards_save_and_load_with_their_global_shapes(tmp_path)
                tmp_path / "plain_state.pt")
 
     mp.start_processes(_tensor_parallel_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2,
-                       start_method="spawn", join=True)
+                       start_method=CONTEXT.get_start_method(), join=True)
 
     reader = nn.Linear(4, 6)
     reader_optimizer = torch.optim.AdamW(reader.parameters(), lr=0.5)

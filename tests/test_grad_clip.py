@@ -12,6 +12,7 @@ from torch import nn
 from examples.models import gpt2
 from smpart.errors import SmpartError
 from smpart.runtime.grad_clip import clip_grad_norm_
+from tests.launch import CONTEXT
 
 
 def with_gradients(dtype: torch.dtype = torch.float64) -> nn.Module:
@@ -126,10 +127,10 @@ def test_shards_replicas_and_stages_count_each_element_once(tmp_path, norm_type)
         p.grad = full[name].clone()
     expected = torch.nn.utils.clip_grad_norm_(list(reference.values()), 0.5, norm_type).item()
 
-    context = mp.get_context("spawn")
+    context = CONTEXT
     queue = context.Queue()
     processes = mp.start_processes(_worker, args=(2, str(tmp_path / "store"), norm_type, queue), nprocs=2,
-                                   start_method="spawn", join=False)
+                                   start_method=CONTEXT.get_start_method(), join=False)
     results = [queue.get(timeout=120) for _ in range(2)]
     processes.join(timeout=120)
     stage_grads = {}

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from smpart.distributed import wire
 from smpart.distributed.transport import PeerLost, ProcessTransport, pair_groups
 from smpart.errors import SmpartError
+from tests.launch import CONTEXT
 
 SENDERS_TO_ZERO = 80  # messages each of ranks 1 and 2 sends to rank 0 (who echoes every one)
 SIDEWAYS = range(0, SENDERS_TO_ZERO, 30)  # of those, the ones also sent between ranks 1 and 2
@@ -82,7 +82,7 @@ def _spawn(
     ({rank: findings}, {rank: exit code}). A rank that reports an error fails the test.
     """
     reporting = set(range(world)) if reporting is None else reporting
-    ctx = mp.get_context("spawn")
+    ctx = CONTEXT
     results = ctx.Queue()
     port = _free_port()
     procs = []

@@ -9,6 +9,7 @@ checks ``init`` -> ``shutdown`` -> ``init`` within one job.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import re
 import time
@@ -120,22 +121,33 @@ def _mse_step(model, x, y):
     return loss
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _debugged(rank):
+    lines = _Lines()
+    logging.getLogger("smpart.runtime").addHandler(lines)
     smpart.init(pipeline_parallel_degree=2, microbatches=2, pin={"": 0, "0": 0, "1": 1}, timeout_s=60)
     model = smpart.DistributedModel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))
-    return _mse_step(model, torch.randn(4, 4), torch.randn(4, 1)).timeline.started
+    started = _mse_step(model, torch.randn(4, 4), torch.randn(4, 1)).timeline.started
+    return started, "\n".join(lines.lines)
 
 
 @pytest.mark.timeout(90)
-def test_smpart_debug_names_the_rank_on_processes(monkeypatch, capfd):
-    monkeypatch.setenv("SMPART_DEBUG", "1")  # spawned ranks read it when they import smpart
-    started = values(run_ranks(_debugged, 2, timeout_s=80))[0]
-    log = capfd.readouterr().err
-    for stage in (0, 1):  # each rank logs its own stage's work, naming itself
+def test_smpart_debug_names_the_rank_on_processes(monkeypatch):
+    monkeypatch.setenv("SMPART_DEBUG", "1")  # the ranks are launched in this environment
+    (started, log0), (_, log1) = values(run_ranks(_debugged, 2, timeout_s=80))
+    for stage, log in ((0, log0), (1, log1)):  # each rank logs its own stage's work, naming itself
         for action in started[stage]:
             line = rf"\[rank {stage} [\w<>-]+\] stage {stage} (runs|resumes) {action}\b"
             assert re.search(line, log), action
-    assert re.search(r"\[rank 1 [\w<>-]+\] stage 1 receives Request\(step=0, mb=1", log)
+    assert re.search(r"\[rank 1 [\w<>-]+\] stage 1 receives Request\(step=0, mb=1", log1)
 
 
 # ---------------------------------------------------------------------------- Hugging Face

@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from tests.launch import CONTEXT
+
 pytestmark = pytest.mark.timeout(180)
 
 WORLD = 2
@@ -59,7 +61,7 @@ def results(tmp_path_factory) -> list[dict[str, object]]:
     """Every rank's results, by check name; the group is joined (or killed) before returning."""
     out = tmp_path_factory.mktemp("tp")
     context = mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False,
-                                 start_method="spawn")
+                                 start_method=CONTEXT.get_start_method())
     deadline = time.monotonic() + 150
     try:
         while not context.join(timeout=1):

@@ -83,7 +83,6 @@ from smpart.runtime.transport import Transport
 
 POLL_S = 0.05
 log = logging.getLogger("smpart.runtime")
-DEBUG = os.environ.get("SMPART_DEBUG", "") not in ("", "0")
 _call_counter = itertools.count()
 
 
@@ -92,10 +91,13 @@ def new_call_id(place: int) -> tuple[int, int]:
     return (place, next(_call_counter))
 
 
+def debugging() -> bool:
+    """Whether ``SMPART_DEBUG`` is set (read when a stage server is made: at ``smpart.init``)."""
+    return os.environ.get("SMPART_DEBUG", "") not in ("", "0")
+
+
 def debug(what: str, *args: Any) -> None:
-    if DEBUG:
-        log.warning("[rank %s %s] " + what, os.environ.get("RANK", "-"), threading.current_thread().name,
-                    *args)
+    log.warning("[rank %s %s] " + what, os.environ.get("RANK", "-"), threading.current_thread().name, *args)
 
 
 class Waiter:
@@ -287,6 +289,7 @@ class StageServer:
         self.place_of_stage = place_of_stage
         self.rank = rank
         self.address: Address = (place, STAGE)
+        self.debug = debugging()
         #: Tensor parallelism (see `scheduler`): the places of this stage's other tensor-parallel
         #: ranks if this one leads them, or whether this one follows its leader's grants.
         self.tp_followers = list(tp_followers or [])
@@ -380,7 +383,7 @@ class StageServer:
         if isinstance(message, Batch):
             self._admit_batch(message)
             return
-        if DEBUG:
+        if self.debug:
             debug("stage %d receives %s", self.stage, _describe(message))
         try:
             self._handlers[type(message)](message)
@@ -602,7 +605,7 @@ class StageServer:
                 str(err), stage=self.stage, module=request.module, microbatch=mb, rank=self.rank))
             return
         self._announce(run, claim)
-        if DEBUG:
+        if self.debug:
             debug("stage %d runs %s: module %r (call %s)", self.stage, claim.action, request.module,
                   request.call_id)
         frame = Frame(self, run.step, mb, run=run, claim=claim, since=time.time(), promised=[])
@@ -906,7 +909,7 @@ class StageServer:
         except TimedOut as err:
             raise PipelineError(str(err), stage=self.stage, microbatch=mb, rank=self.rank) from None
         self._announce(run, claim)
-        if DEBUG:
+        if self.debug:
             debug("stage %d resumes %s (micro-batch %d's call goes on)", self.stage, claim.action, mb)
         frame.claim, frame.since = claim, time.time()
 
@@ -940,7 +943,7 @@ class StageServer:
                 self.send(run.coordinator, Failed(run.step, failure))
             return
         self._announce(run, claim, tuple(m.origin for m in messages))
-        if DEBUG:
+        if self.debug:
             flush = " (flush)" if any(m.flush for m in messages) else ""
             debug("stage %d runs %s: a backward segment for %d gradient message(s)%s", self.stage,
                   claim.action, len(messages), flush)

@@ -58,12 +58,25 @@ from smpart.runtime.boundary import register_carried_state
 from smpart.tensor_parallel import record_split_shares, set_tensor_parallelism, tensor_parallelism
 
 # isort: split
-from smpart.checkpoint import load_checkpoint, load_weights, save_checkpoint
-
-# isort: split
 from smpart.planner import Cluster, DeviceType, Plan, Plans, plan
 
 __version__ = "0.1.0"
+
+#: Imported at first use: checkpoints need ``torch.distributed.checkpoint``, whose import (with
+#: ``torch.distributed.tensor``) costs ~1.4 s, a third of ``import smpart``.
+_CHECKPOINT_API = ("save_checkpoint", "load_checkpoint", "load_weights")
+
+
+def __getattr__(name: str):
+    if name in _CHECKPOINT_API:
+        from smpart import checkpoint
+
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module 'smpart' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_CHECKPOINT_API})
 
 
 @functools.wraps(_tracer.trace)

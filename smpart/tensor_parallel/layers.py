@@ -30,16 +30,15 @@ from one keeps that layout (and the parameter's global shape), splitting the oth
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from smpart.errors import SmpartError
 from smpart.tensor_parallel.collectives import (
@@ -49,7 +48,18 @@ from smpart.tensor_parallel.collectives import (
     scatter_to_tp,
 )
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor.placement_types import Placement
+
 COLUMN, ROW, VOCAB, DIM = "column", "row", "vocab", "dim"
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a ``DTensor``. ``torch.distributed.tensor`` is imported only where a
+    layer is split (importing it costs ~1.2 s, a third of ``import smpart``): before that no
+    tensor can be one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 class TensorParallelError(SmpartError, ValueError):
@@ -88,7 +98,17 @@ def _mesh_for(group_or_mesh: Any, like: Tensor) -> DeviceMesh:
 def shard_placement(dim: int, fused: int = 1) -> Placement:
     """``Shard(dim)``, or for ``fused`` parts side by side ``_StridedShard``: each rank holds its
     slice of every part, which is exactly what a fused q/k/v projection needs."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     return Shard(dim) if fused == 1 else _StridedShard(dim, split_factor=fused)
+
+
+def replicated() -> Placement:
+    """``Replicate()``: every rank holds the whole tensor (a row-parallel layer's bias)."""
+    from torch.distributed.tensor import Replicate
+
+    return Replicate()
 
 
 def local_shard(full: Tensor, dim: int, rank: int, size: int, fused: int = 1) -> Tensor:
@@ -100,6 +120,9 @@ def local_shard(full: Tensor, dim: int, rank: int, size: int, fused: int = 1) ->
 
 def _distributed(full: Tensor, mesh: DeviceMesh, placement: Placement) -> nn.Parameter:
     """A parameter holding this rank's part of ``full`` as a DTensor of ``full``'s global shape."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     rank, size = mesh.get_local_rank(), mesh.size()
     if isinstance(placement, Shard | _StridedShard):
         fused = getattr(placement, "split_factor", 1)
@@ -243,7 +266,7 @@ class DistributedLinear(_OnMesh, nn.Module):
         if bias is None:
             self.register_parameter("bias", None)
         else:
-            self.bias = split.get(bias, mesh, shard_placement(0, fused) if style == COLUMN else Replicate(),
+            self.bias = split.get(bias, mesh, shard_placement(0, fused) if style == COLUMN else replicated(),
                                   where)
 
     @property
@@ -352,7 +375,8 @@ class DistributedEmbedding(_OnMesh, nn.Module):
         self.max_norm, self.sparse = None, False
         self.style, self.mesh = style, mesh
         self.tp_size, self.tp_rank = degree, mesh.get_local_rank()
-        self.weight = _Shared(shared).get(module.weight, mesh, Shard(0 if style == VOCAB else 1), where)
+        placement = shard_placement(0 if style == VOCAB else 1)
+        self.weight = _Shared(shared).get(module.weight, mesh, placement, where)
 
     @property
     def vocab_range(self) -> tuple[int, int]:
@@ -392,7 +416,7 @@ class DistributedEmbedding(_OnMesh, nn.Module):
 def full_tensor(t: Any) -> Any:
     """``t`` whole: a DTensor is gathered (a collective: every rank of its mesh must call), the rest
     is returned as is."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def full_state_dict(model_or_state: nn.Module | dict[str, Any]) -> dict[str, Any]:
@@ -409,12 +433,16 @@ def full_state_dict(model_or_state: nn.Module | dict[str, Any]) -> dict[str, Any
 def local_state_dict(model_or_state: nn.Module | dict[str, Any]) -> dict[str, Any]:
     """A state dict of this rank's shards (plain tensors, local shapes); no communication."""
     state = model_or_state.state_dict() if isinstance(model_or_state, nn.Module) else model_or_state
-    return {key: value.to_local() if isinstance(value, DTensor) else value for key, value in state.items()}
+    return {key: value.to_local() if is_dtensor(value) else value for key, value in state.items()}
 
 
 # ==================================================================== checkpoints
 def _is_strided(t: Any) -> bool:
-    return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements)
+    if not is_dtensor(t):
+        return False
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return any(isinstance(p, _StridedShard) for p in t.placements)
 
 
 def to_checkpoint_layout(t: Any) -> Any:
@@ -426,6 +454,9 @@ def to_checkpoint_layout(t: Any) -> Any:
     """
     if not _is_strided(t):
         return t
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     return t.detach().redistribute(placements=[Shard(p.dim) if isinstance(p, _StridedShard) else p
                                                for p in t.placements])
 
@@ -435,8 +466,8 @@ def from_checkpoint_layout(target: Any, source: Any) -> None:
     if target is source:
         return
     with torch.no_grad():
-        if isinstance(target, DTensor):
-            source = source if isinstance(source, DTensor) else None
+        if is_dtensor(target):
+            source = source if is_dtensor(source) else None
             local = (source.redistribute(placements=target.placements).to_local() if source is not None
                      else None)
             if local is None:
@@ -475,7 +506,7 @@ def grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
         if p.grad is None:
             continue
         norm = torch.linalg.vector_norm(p.grad.detach(), norm_type)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        norms.append(norm.full_tensor() if is_dtensor(norm) else norm)
     if not norms:
         return torch.tensor(0.0)
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
@@ -487,7 +518,7 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
     total = grad_norm(parameters, norm_type)
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for p in parameters:
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        grad = p.grad.to_local() if is_dtensor(p.grad) else p.grad
         grad.detach().mul_(scale.to(grad.device))
     return total
 

@@ -1,6 +1,6 @@
-"""ProcessTransport between real processes: gloo on CPU, spawned with torch.multiprocessing.
+"""ProcessTransport between real processes: gloo on CPU, started by `tests.launch`'s fork server.
 
-Each test spawns a few ranks (tcp:// rendezvous on a free port), runs one scenario function on
+Each test starts a few ranks (tcp:// rendezvous on a free port), runs one scenario function on
 every rank, and gets each rank's findings back through a queue; the assertions are made in the
 parent. Every process is joined (a process still alive at the end is killed and fails the test).
 """

@@ -36,13 +36,14 @@ import smpart  # noqa: E402
 from bench.processes import MICROBATCHES, PINS, STAGES, RankPool, make_batch, make_model, smpart_step  # noqa: E402
 from smpart.distributed import transport, wire  # noqa: E402
 from smpart.runtime import stage  # noqa: E402
+from smpart.runtime.messages import Batch  # noqa: E402
 
 ALONE_REPEATS = 200
 
 
 def kind(message: Any) -> str:
     """A message's kind: its class, a `Batch` by the classes it holds."""
-    if type(message).__name__ == "Batch":
+    if isinstance(message, Batch):
         held = defaultdict(int)
         for each in message.messages:
             held[type(each).__name__] += 1
@@ -56,7 +57,7 @@ class Meter:
 
     def __init__(self) -> None:
         self.on = False
-        self.cpu: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+        self.cpu: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])  # [count, seconds]
         self.samples: dict[str, Any] = {}
 
     def wrap(self, owner: Any, name: str, what: str, kind_of: Any) -> None:

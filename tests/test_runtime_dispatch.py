@@ -9,14 +9,19 @@ the switch off, on threads and on processes; the rest of the suite runs it on (t
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
+import warnings
 
 import pytest
+import torch
+from torch import nn
 
 import smpart
 from examples.models import ZOO
 from smpart.runtime.runtime import current_runtime
+from smpart.runtime.stage import run_job
 from smpart.runtime.transport import Endpoint, ThreadTransport
 from tests.launch import run_ranks
 from tests.test_processes import _assert_report, _train_zoo
@@ -136,6 +141,73 @@ def test_a_sender_about_to_wait_runs_the_job_its_message_starts_only_when_handle
     transport.send(0, (1, "stage"), "not lent")  # a sender that will not wait lends nothing
     transport.endpoints[(1, "stage")].serve_one(0.01)
     assert len(submitted) == (1 if direct else 2)
+
+
+def _depth() -> int:
+    frame, depth = sys._getframe(), 0
+    while frame is not None:
+        frame, depth = frame.f_back, depth + 1
+    return depth
+
+
+def test_a_chain_of_handed_on_jobs_runs_in_a_loop_not_nested():
+    depths: list[int] = []
+
+    def job(left: int):
+        depths.append(_depth())
+        return (lambda: job(left - 1)) if left else None
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a RecursionError inside would only be warned of
+        run_job(lambda: job(3 * sys.getrecursionlimit()))
+    assert len(depths) == 3 * sys.getrecursionlimit() + 1 and len(set(depths)) == 1
+
+
+class _TwoBlocks(nn.Module):
+    """A root on stage 0 calling one block there and one on stage 1; it notes where it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.ran_on: list[str] = []
+
+    def forward(self, x):
+        self.ran_on.append(threading.current_thread().name)
+        return self.second(self.first(x))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_driver_runs_its_root_call_and_the_losss_segments_itself_outside_the_bodys_autocast(direct):
+    """With the switch on, the thread of a micro-batch's step body would only wait while its call
+    to the root and the backward segments its loss starts run: it runs them itself. A segment
+    runs as on a worker thread either way: not under the body's autocast."""
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, pin={"first": 0, "second": 1},
+                direct_dispatch=direct)
+    torch.manual_seed(0)
+    model = _TwoBlocks()
+    segments: list[tuple[str, bool]] = []
+    for layer in (model.first, model.second):
+        layer.weight.register_hook(lambda grad: segments.append(
+            (threading.current_thread().name, torch.is_autocast_enabled("cpu"))))
+    dm = smpart.DistributedModel(model)
+
+    @smpart.step
+    def step(model, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().sum()
+            model.backward(loss)
+        return loss
+
+    x = torch.randn(4, 4)
+    step(dm, x)  # traces and places the model on the driver's thread
+    model.ran_on.clear()
+    segments.clear()
+    step(dm, x)
+    drivers = [name.startswith("smpart-step") for name in model.ran_on + [name for name, _ in segments]]
+    assert len(model.ran_on) == 2 and len(segments) == 4
+    assert all(drivers) if direct else not any(drivers)
+    assert not any(autocast for _, autocast in segments)
 
 
 # ------------------------------------------------------------------ the runtime with the switch off

@@ -22,7 +22,7 @@ import torch
 
 from smpart.errors import PipelineError, SmpartError
 from smpart.runtime import boundary, carried, handles
-from smpart.runtime.ambient import capture
+from smpart.runtime.ambient import DEFAULT, capture
 from smpart.runtime.calls import Frame, as_pipeline_error, running
 from smpart.runtime.gradients import (
     CallRecords,
@@ -47,7 +47,7 @@ from smpart.runtime.messages import (
 )
 from smpart.runtime.microbatches import detached
 from smpart.runtime.scheduler import Cancelled
-from smpart.runtime.stage import POLL_S, new_call_id
+from smpart.runtime.stage import POLL_S, new_call_id, run_job
 
 if TYPE_CHECKING:
     from smpart.runtime.step_run import StepRun
@@ -136,9 +136,11 @@ class Driver:
         remote = not run.transport.local(callee[0])
         (sent_args, sent_kwargs), originals = (carried.pack_call((args, kwargs)) if remote
                                                else ((args, kwargs), []))
-        run.send(callee, Request(run.step, mb, call_id, self.address, model, module, sent_args, sent_kwargs,
-                                 ambient, forwarded, grad_mask(kept, forwarded), bool(originals), refs))
+        request = Request(run.step, mb, call_id, self.address, model, module, sent_args, sent_kwargs,
+                          ambient, forwarded, grad_mask(kept, forwarded), bool(originals), refs)
+        job = run.transport.lend(lambda: run.send(callee, request))
         self.pass_turn()
+        run_job(job)  # the callee's stage lives here and took the request at once: run it here
         message = self._response(call_id, f"module {module or '<root>'!r} on stage {stage}")
         route = boundary.route_back(callee, call_id, True, message.forwarded)
         output = message.output
@@ -192,8 +194,11 @@ class Driver:
         scale = 1.0 / self.run.microbatches if self.run.average_grads else 1.0
         grad = torch.ones_like(loss) if grad is None else grad
         torch.autograd.backward(loss, grad * scale)
-        self._dispatch(Fraction(1), forward_over=not self.forward_done)
+        job = self.run.transport.lend(lambda: self._dispatch(Fraction(1), forward_over=not self.forward_done))
         self.forward_done = True
+        if job is not None:  # a stage here took the loss's gradients at once: its segment runs here,
+            with DEFAULT.applied():  # as on a worker thread, outside the body's autocast
+                run_job(job)
 
     def finish_forward(self) -> None:
         if not self.forward_done:

@@ -222,18 +222,23 @@ def _one_after_another(calls: list[Callable[[], None]]) -> Callable[[], None]:
 
     def serve() -> None:
         for call in calls:
-            _run_job(call)
+            run_job(call)
 
     return serve
 
 
-def _run_job(job: Callable[[], None]) -> None:
-    """Run ``job``; jobs report their own failures, so anything escaping one is only warned of."""
-    try:
-        job()
-    except BaseException:  # noqa: BLE001 - a last resort: the thread goes on with its next job
-        warnings.warn(f"smpart: unexpected error in {threading.current_thread().name}:\n"
-                      f"{traceback.format_exc()}", RuntimeWarning, stacklevel=1)
+def run_job(job: Callable[[], Any]) -> None:
+    """Run ``job``, then the job it hands on, if any (returned: a backward segment hands on the
+    segment its gradients started on a stage of this process, `Transport.lend`), and so on: a
+    chain of segments runs on one thread in a loop, never nested. Jobs report their own failures,
+    so anything escaping one is only warned of."""
+    while callable(job):
+        try:
+            job = job()
+        except BaseException:  # noqa: BLE001 - a last resort: the thread goes on with its next job
+            warnings.warn(f"smpart: unexpected error in {threading.current_thread().name}:\n"
+                          f"{traceback.format_exc()}", RuntimeWarning, stacklevel=1)
+            return
 
 
 class WorkerPool:
@@ -262,7 +267,7 @@ class WorkerPool:
             job = self._jobs.get()
             if job is None:
                 return
-            _run_job(job)
+            run_job(job)
             with self._lock:
                 self._idle += 1
 
@@ -513,7 +518,7 @@ class StageServer:
             if mb in run.segment_queued:
                 return
             run.segment_queued.add(mb)
-        self.workers.submit(lambda: self._run_segment(run, mb))
+        self.transport.start(lambda: self._run_segment(run, mb), self.workers.submit)
 
     def _on_grant(self, message: Grant) -> None:
         run = self._live(message)
@@ -840,8 +845,7 @@ class StageServer:
         self.flush(frame)
         self._step_out(frame)
         job = self.transport.lend(lambda: self.send(callee, request))
-        if job is not None:  # the callee's stage is in this process and took it at once: run it here
-            job()
+        run_job(job)  # the callee's stage is in this process and took it at once: run it here
         try:
             response = waiter.wait(run.timeout_s, lambda: self._describe_wait(run, module, mb, stage),
                                    lambda: self._check(run))
@@ -921,8 +925,10 @@ class StageServer:
             frame.claim = None
 
     # ================================================================ backward segments
-    def _run_segment(self, run: StageStep, mb: int) -> None:
-        """One backward segment for every gradient message of ``mb`` queued by the time it runs."""
+    def _run_segment(self, run: StageStep, mb: int) -> Callable[[], Any] | None:
+        """One backward segment for every gradient message of ``mb`` queued by the time it runs.
+        Returns the job its gradients started on a stage of this process, to run next on this
+        thread (`run_job`): the thread was done, and another would have to wake up for it."""
         claim = Claim(Action(BACKWARD, mb), SEGMENT)
         try:
             run.scheduler.acquire(claim, run.timeout_s, lambda: self._describe_wait(run, None, mb),
@@ -964,16 +970,19 @@ class StageServer:
         finally:
             posts = run.outbox.take()
             run.spans.append((mb, "backward", start, time.time()))
+        job = None
         try:  # the gradients go before the turn does (see `_run_call`)
             if not failed and not run.aborted:
                 if bool(holding.pending) != holding.reported:  # tell the driver, with credit
                     holding.reported = not holding.reported
                     news, credit = credit / 2, credit - credit / 2
                     self.send(run.home(mb), Credit(run.step, mb, news, (self.address, holding.reported)))
-                dispatch(self.send, posts, credit, run.step, mb, run.home(mb), self.stage,
-                         run.gradients_sent[mb])
+                home, sent = run.home(mb), run.gradients_sent[mb]
+                job = self.transport.lend(lambda: dispatch(self.send, posts, credit, run.step, mb, home,
+                                                           self.stage, sent))
         finally:
             run.scheduler.release(claim)
+        return job
 
     def _holding(self, run: StageStep, mb: int) -> Holding:
         holding = run.holdings.get(mb)

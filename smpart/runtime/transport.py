@@ -24,11 +24,14 @@ order either way. A handler that sends to an endpoint never runs that endpoint's
 its own (the message is queued): no handler waits for another, no stack grows. Off, every
 message goes through the queue (`serve_one`).
 
-The same switch lends a waiting thread (`Transport.lend`): a stage that calls a module on another
-stage of this process is about to block until the answer comes. If its request is handled at once
-on its own thread (above), the job the request starts (running the module) is handed back to it
-and it runs the job itself, instead of a worker thread waking up to run it while it sleeps: one
-call, no thread hand-off. The job is exactly what a worker would have run, so nothing else changes.
+The same switch lends a thread that would otherwise wait or go idle (`Transport.lend`): a driver
+calling the root, or a stage calling a module on another stage of this process, is about to block
+until the answer comes; a driver whose loss's gradients went out is about to wait for its credit; a
+backward segment that sent its gradients is done. If such a message is handled at once on the
+sending thread (above), the job it starts (running the module, or the next segment) is handed back
+and that thread runs it itself (a segment returns it, and `stage.run_job` runs the chain in a loop),
+instead of a worker thread waking up to run it: no thread hand-off. The job is exactly what a
+worker would have run, so nothing else changes.
 """
 
 from __future__ import annotations

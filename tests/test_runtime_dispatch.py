@@ -181,8 +181,10 @@ class _TwoBlocks(nn.Module):
 def test_the_driver_runs_its_root_call_and_the_losss_segments_itself_outside_the_bodys_autocast(direct):
     """With the switch on, the thread of a micro-batch's step body would only wait while its call
     to the root and the backward segments its loss starts run: it runs them itself. A segment
-    runs as on a worker thread either way: not under the body's autocast."""
-    smpart.init(pipeline_parallel_degree=2, microbatches=2, pin={"first": 0, "second": 1},
+    runs as on a worker thread either way: not under the body's autocast. One micro-batch: with
+    more, a message may find its stage busy with another's (a 16-core machine did), and then it
+    is queued and a worker runs its job, as it should."""
+    smpart.init(pipeline_parallel_degree=2, microbatches=1, pin={"first": 0, "second": 1},
                 direct_dispatch=direct)
     torch.manual_seed(0)
     model = _TwoBlocks()
@@ -205,7 +207,7 @@ def test_the_driver_runs_its_root_call_and_the_losss_segments_itself_outside_the
     segments.clear()
     step(dm, x)
     drivers = [name.startswith("smpart-step") for name in model.ran_on + [name for name, _ in segments]]
-    assert len(model.ran_on) == 2 and len(segments) == 4
+    assert len(model.ran_on) == 1 and len(segments) == 2
     assert all(drivers) if direct else not any(drivers)
     assert not any(autocast for _, autocast in segments)
 

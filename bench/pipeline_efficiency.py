@@ -2,10 +2,12 @@
 
 Each of 4 blocks sleeps ``t`` in its forward and ``2t`` in its backward (``time.sleep`` releases
 the GIL like a GPU kernel), one block per stage. With ``m`` micro-batches both schedules have the
-ideal makespan ``(m + stages - 1) * 3t``; we print measured step time / ideal (goal <= 1.05) and
-the timeline's bubble fraction, medians over several steps. ``time.sleep`` itself overshoots a
-little, so the ratio to the ideal computed from the sleep times measured on this machine (outside
-the runtime) is printed too: that one is the runtime's own overhead.
+ideal makespan ``(m + stages - 1) * 3t``; we print measured step time / ideal (goal <= 1.05),
+the timeline's bubble fraction, medians over several steps, and the CPU time per step of every
+thread of every process of the configuration (the kernels sleep: nearly all of it is the
+runtime's). ``time.sleep`` itself overshoots a little, so the ratio to the ideal computed from
+the sleep times measured on this machine (outside the runtime) is printed too: that one is the
+runtime's own overhead.
 
 Twice: the stages on threads of this process, and on one process per stage (gloo, spawned from
 this script, one intra-op thread each; step times of the driver's rank), alternating round by
@@ -24,6 +26,7 @@ not wait between them.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -79,12 +82,13 @@ def train_step(model, x):
     return loss
 
 
-def measure(schedule: str, stages: int, microbatches: int, seconds: float,
-            steps: int, width: int = 8, where: str = "threads") -> tuple[list[float], list[float], str]:
-    """Step times and bubble fractions of ``steps`` steps, and where the last step's timeline was
-    saved. ``stages`` warm-up steps go first: the first places the model, and holding
-    (`smpart.runtime.gradients`) learns its counts from the step before, so the first steps of
-    ``stages`` stages repeat backward work (`bench/backward_work.py`)."""
+def measure(schedule: str, stages: int, microbatches: int, seconds: float, steps: int, width: int = 8,
+            where: str = "threads") -> tuple[list[float], list[float], str, float]:
+    """Step times and bubble fractions of ``steps`` steps, where the last step's timeline was
+    saved, and the CPU seconds per step of this process (all its threads). ``stages`` warm-up
+    steps go first: the first places the model, and holding (`smpart.runtime.gradients`) learns
+    its counts from the step before, so the first steps of ``stages`` stages repeat backward
+    work (`bench/backward_work.py`)."""
     smpart.init(pipeline_parallel_degree=stages, microbatches=microbatches, pipeline=schedule,
                 pin={f"blocks.{i}": i for i in range(stages)}, timeout_s=120)
     try:
@@ -93,22 +97,35 @@ def measure(schedule: str, stages: int, microbatches: int, seconds: float,
         for _ in range(stages):  # trace, partition, place; then until holding has settled
             train_step(model, x)
         times, bubbles = [], []
+        cpu_before = _cpu_seconds()
         for _ in range(steps):
             start = time.perf_counter()
             out = train_step(model, x)
             times.append(time.perf_counter() - start)
             bubbles.append(out.timeline.bubble_fraction)
+        cpu = (_cpu_seconds() - cpu_before) / steps
         path = f"/tmp/smpart_sleep_{schedule}_{where}.json"
         if smpart.rank() == 0:
             out.timeline.save(path)
-        return times, bubbles, path
+        return times, bubbles, path, cpu
     finally:
         smpart.shutdown()
 
 
-def on_rank(rank: int, *args) -> tuple[list[float], list[float], str] | None:
-    result = measure(*args, where="processes")
-    return result if rank == 0 else None
+def _cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def on_rank(rank: int, *args) -> tuple[list[float], list[float], str, float]:
+    return measure(*args, where="processes")
+
+
+def on_processes(pool: RankPool, *args) -> tuple[list[float], list[float], str, float]:
+    """The driver's rank's step times, bubbles and timeline; the CPU per step of every rank, summed."""
+    ranks = pool.run(on_rank, *args)
+    times, bubbles, path, _ = ranks[0]
+    return times, bubbles, path, sum(rank[3] for rank in ranks)
 
 
 def slept_seconds(seconds: float, samples: int = 40) -> float:
@@ -143,20 +160,20 @@ def main() -> None:
     print(f"  time.sleep(t) + time.sleep(2t) take {kernels_s * 1e3:.2f} ms here, not {3 * a.t_ms:.1f}: "
           f"ideal makespan from the measured kernel times {measured_ideal * 1e3:.1f} ms")
     torch.set_num_threads(1)
-    results: dict[tuple[str, str], tuple[list[float], list[float], str]] = {}
+    results: dict[tuple[str, str], tuple[list[float], list[float], str, list[float]]] = {}
     with RankPool(a.stages) as pool:
         for _ in range(a.rounds):
             for schedule in ("gpipe", "1f1b"):
                 for where in ("threads", "processes"):
                     args = (schedule, a.stages, a.microbatches, t, a.steps, a.width)
-                    got = measure(*args) if where == "threads" else pool.run(on_rank, *args)[0]
-                    old = results.get((where, schedule), ([], [], ""))
-                    results[(where, schedule)] = (old[0] + got[0], old[1] + got[1], got[2])
+                    got = measure(*args) if where == "threads" else on_processes(pool, *args)
+                    old = results.get((where, schedule), ([], [], "", []))
+                    results[(where, schedule)] = (old[0] + got[0], old[1] + got[1], got[2], old[3] + [got[3]])
     ordered = sorted(results.items(), key=lambda kv: kv[0][0] != "threads")
-    for (where, schedule), (times, bubbles, path) in ordered:
+    for (where, schedule), (times, bubbles, path, cpus) in ordered:
         step_s, bubble = statistics.median(times), statistics.median(bubbles)
         print(f"  {where:<9} {schedule:<5} step {step_s * 1e3:6.1f} ms (median of {len(times)})  "
-              f"bubble {bubble:5.1%}  timeline {path}")
+              f"bubble {bubble:5.1%}  CPU {statistics.median(cpus) * 1e3:5.1f} ms/step  timeline {path}")
         print(f"  {'':<15} step / ideal from nominal t:                 {step_s / ideal:5.3f}  (goal 1.05)")
         print(f"  {'':<15} step / ideal from the measured kernel times: {step_s / measured_ideal:5.3f}  "
               "(the runtime's own overhead)")

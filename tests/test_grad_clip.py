@@ -127,8 +127,7 @@ def test_shards_replicas_and_stages_count_each_element_once(tmp_path, norm_type)
         p.grad = full[name].clone()
     expected = torch.nn.utils.clip_grad_norm_(list(reference.values()), 0.5, norm_type).item()
 
-    context = CONTEXT
-    queue = context.Queue()
+    queue = CONTEXT.Queue()
     processes = mp.start_processes(_worker, args=(2, str(tmp_path / "store"), norm_type, queue), nprocs=2,
                                    start_method=CONTEXT.get_start_method(), join=False)
     results = [queue.get(timeout=120) for _ in range(2)]

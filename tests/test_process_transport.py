@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from smpart.distributed import wire
 from smpart.distributed.transport import PeerLost, ProcessTransport, pair_groups
 from smpart.errors import SmpartError
-from tests.launch import CONTEXT
+from tests.launch import CONTEXT, free_port
 
 SENDERS_TO_ZERO = 80  # messages each of ranks 1 and 2 sends to rank 0 (who echoes every one)
 SIDEWAYS = range(0, SENDERS_TO_ZERO, 30)  # of those, the ones also sent between ranks 1 and 2
@@ -47,12 +46,6 @@ class Grumpy:
 
     def __setstate__(self, state: dict) -> None:
         raise ValueError("Grumpy refuses to be unpickled")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class _Dies(Exception):
@@ -84,7 +77,7 @@ def _spawn(
     reporting = set(range(world)) if reporting is None else reporting
     ctx = CONTEXT
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         args = (scenario, rank, world, port, results, options)

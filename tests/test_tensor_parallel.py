@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import pickle
-import socket
 import time
 import traceback
 import warnings
@@ -22,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from tests.launch import CONTEXT
+from tests.launch import CONTEXT, free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,12 +31,6 @@ MODEL_TOL = 1e-8
 
 
 # ==================================================================== the spawned group
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
@@ -60,7 +53,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 def results(tmp_path_factory) -> list[dict[str, object]]:
     """Every rank's results, by check name; the group is joined (or killed) before returning."""
     out = tmp_path_factory.mktemp("tp")
-    context = mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False,
+    context = mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=False,
                                  start_method=CONTEXT.get_start_method())
     deadline = time.monotonic() + 150
     try:

@@ -227,7 +227,7 @@ def _one_after_another(calls: list[Callable[[], None]]) -> Callable[[], None]:
     return serve
 
 
-def run_job(job: Callable[[], Any]) -> None:
+def run_job(job: Callable[[], Any] | None) -> None:
     """Run ``job``, then the job it hands on, if any (returned: a backward segment hands on the
     segment its gradients started on a stage of this process, `Transport.lend`), and so on: a
     chain of segments runs on one thread in a loop, never nested. Jobs report their own failures,

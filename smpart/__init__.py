@@ -81,11 +81,13 @@ def __dir__() -> list[str]:
 
 @functools.wraps(_tracer.trace)
 def trace(model, example_args, example_kwargs=None, device="meta", **options) -> ModuleTree:
-    tree = _tracer.trace(model, example_args, example_kwargs, device, **options)
-    return record_split_shares(tree, model)
+    module = model.module if isinstance(model, DistributedModel) else model
+    tree = _tracer.trace(module, example_args, example_kwargs, device, **options)
+    return record_split_shares(tree, module)
 
 
 trace.__doc__ = (_tracer.trace.__doc__ or "") + """
+    A `DistributedModel` is traced as the model it wraps, before its first step or after it.
     The tree also records, for tensor-parallel degrees 2, 4 and 8, what the swap-in would split
     of each node (`smpart.tensor_parallel.record_split_shares`), so `smpart.plan` prices it.
 """

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+import smpart
 from examples import models
 from examples.models import ZOO
 from smpart import ConfigError, ModuleTree, TraceError, trace
@@ -351,6 +352,24 @@ def _weakrefs_to_outputs_with_a_graph(model: nn.Module) -> list[weakref.ref]:
     for module in model.modules():
         module.register_forward_hook(record)
     return made
+
+
+def test_a_distributed_model_traces_as_the_model_it_wraps_before_and_after_its_first_step():
+    ex = models.gpt2()
+    plain = _trace_quietly(ex.model, ex.args).to_dict()
+    smpart.init(pipeline_parallel_degree=2, microbatches=2)
+    try:
+        model = smpart.DistributedModel(ex.model)
+        assert _trace_quietly(model, ex.args).to_dict() == plain
+
+        @smpart.step
+        def forward(model, tokens):
+            return model(tokens)
+
+        forward(model, *ex.args)  # traced, partitioned and placed: the modules' forwards are staged now
+        assert _trace_quietly(model, ex.args).to_dict() == plain
+    finally:
+        smpart.shutdown()
 
 
 # ---------------------------------------------------------------- errors

@@ -372,6 +372,15 @@ def test_a_distributed_model_traces_as_the_model_it_wraps_before_and_after_its_f
         smpart.shutdown()
 
 
+def test_a_model_with_some_weights_on_meta_traces_as_the_whole_model_does():
+    """As a rank's model does under torchrun once it released the other stages' weights."""
+    ex = models.gpt2()
+    whole = _trace_quietly(ex.model, ex.args).to_dict()
+    for block in ex.model.transformer.h[4:]:
+        block.to("meta")
+    assert _trace_quietly(ex.model, ex.args).to_dict() == whole
+
+
 # ---------------------------------------------------------------- errors
 def test_bad_inputs_raise_trace_error_naming_the_failing_module():
     model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.ReLU(), nn.Linear(5, 2)))

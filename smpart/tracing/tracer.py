@@ -280,15 +280,14 @@ Swap = Callable[[torch.Tensor], torch.Tensor] | None
 def _substitutes(device: torch.device, home: torch.device) -> tuple[Swap, Swap]:
     """How to stand in for parameters and buffers on ``device`` (None: use them as they are).
 
-    Meta: a meta tensor of the same shape for each (nothing allocated, nothing copied). The
-    model's own device: the parameters in place and *copies* of the buffers, so BatchNorm's
-    running statistics stay as they were. Elsewhere: copies of everything on ``device``.
+    Meta: a meta tensor of the same shape for each one not on meta already (nothing allocated,
+    nothing copied; a model can hold both, as a rank's does once it released the other stages'
+    weights). The model's own device: the parameters in place and *copies* of the buffers, so
+    BatchNorm's running statistics stay as they were. Elsewhere: copies of everything on ``device``.
     """
     if device.type == "meta":
-        if home.type == "meta":
-            return None, None
-        return (lambda p: nn.Parameter(torch.empty_like(p, device=META), p.requires_grad),
-                lambda b: torch.empty_like(b, device=META))
+        return (lambda p: p if p.is_meta else nn.Parameter(torch.empty_like(p, device=META), p.requires_grad),
+                lambda b: b if b.is_meta else torch.empty_like(b, device=META))
     if _same_device(device, home):
         return None, torch.clone
     return (lambda p: nn.Parameter(p.detach().to(device), p.requires_grad),

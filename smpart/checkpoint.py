@@ -58,6 +58,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from smpart.errors import CheckpointError
+from smpart.runtime.optimizer import DistributedOptimizer
 from smpart.tensor_parallel.layers import from_checkpoint_layout, to_checkpoint_layout
 
 #: The marker file written last; its presence means the checkpoint is complete.
@@ -109,15 +110,13 @@ def _layout(model: Any) -> _Layout:
 
 
 def _optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer inside ``optimizer`` (an ``smpart.DistributedOptimizer`` wraps one)."""
+    """The torch optimizer inside ``optimizer`` (an ``smpart.DistributedOptimizer`` wraps one, and
+    is an ``Optimizer`` itself to schedulers: unwrap it first)."""
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer._adopt_replaced_parameters()  # placement may have replaced parameters (tp shards)
+        return optimizer.optimizer
     if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
-    inner = getattr(optimizer, "optimizer", None)
-    if isinstance(inner, torch.optim.Optimizer):
-        adopt = getattr(optimizer, "_adopt_replaced_parameters", None)
-        if adopt is not None:  # placement may have replaced parameters (tensor-parallel shards)
-            adopt()
-        return inner
     raise CheckpointError(f"optimizer must be a torch.optim.Optimizer or smpart.DistributedOptimizer, "
                           f"got {type(optimizer).__name__}")
 

@@ -270,6 +270,59 @@ def test_activation_checkpointing_on_the_pipeline_keeps_gradients(schedule):
 
 
 @pytest.mark.timeout(60)
+def test_a_learning_rate_scheduler_drives_the_distributed_optimizer():
+    """LR schedulers accept only a `torch.optim.Optimizer`; the rates they set reach the optimizer
+    that steps: three steps under `StepLR` train as the unsplit model does under its own."""
+    example = ZOO["gpt2"](dtype=torch.float64)
+    reference = copy.deepcopy(example.model)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2)
+    model = smpart.DistributedModel(example.model)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref_opt)]
+    for step in range(3):
+        args, kwargs, target = example.batch(4, seed=step)
+        train_step(model, example, args, kwargs, target)
+        reference_step(reference, example, args, kwargs, target, 2)
+        for o, scheduler in zip((opt, ref_opt), schedulers, strict=True):
+            o.step()
+            o.zero_grad()
+            scheduler.step()
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 0.1 / 8
+    full = model.state_dict()
+    assert max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items()) <= TOL
+
+
+def test_the_wrappers_refuse_what_they_cannot_wrap():
+    model = torch.nn.Linear(2, 2)
+    optimizer = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for wrap, wrong, message in [
+        (smpart.DistributedOptimizer, optimizer, "already a DistributedOptimizer"),
+        (smpart.DistributedOptimizer, model, "wraps a torch.optim.Optimizer, got Linear"),
+        (smpart.DistributedModel, smpart.DistributedModel(model), "already a DistributedModel"),
+        (smpart.DistributedModel, optimizer, "wraps a torch.nn.Module, got DistributedOptimizer"),
+    ]:
+        with pytest.raises(smpart.SmpartError, match=message):
+            wrap(wrong)
+
+
+def test_a_grad_scaler_unscales_before_a_fused_optimizer_steps():
+    """`torch.amp.GradScaler` gives a fused optimizer its scale as attributes, which set on the
+    wrapper would never reach it (it would step with the scaled gradient): the wrapper takes the
+    scaler's unscale-then-step path instead, and SGD moves by the learning rate times the gradient."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    before = model.weight.detach().clone()
+    gradient = torch.autograd.grad(model(x).square().sum(), model.weight)[0]
+    optimizer = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, fused=True))
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(x).square().sum()).backward()
+    scaler.step(optimizer)
+    torch.testing.assert_close(model.weight.detach(), before - 0.1 * gradient)
+
+
+@pytest.mark.timeout(60)
 def test_global_gradient_clipping_equals_the_unsplit_models():
     example = ZOO["gpt2"](dtype=torch.float64)
     reference = copy.deepcopy(example.model)

@@ -15,8 +15,23 @@ import torch
 from smpart.errors import SmpartError
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(torch.optim.Optimizer):
+    """``smpart.DistributedOptimizer(optimizer)``: steps ``optimizer`` over the model's parameters,
+    wherever their stages put them; ``.optimizer`` is the one it wraps.
+
+    It is a `torch.optim.Optimizer` to whoever asks (learning-rate schedulers check), but
+    `Optimizer.__init__` never runs: its parameter groups, state, defaults and hooks are the
+    wrapped optimizer's, shared, so a scheduler's learning rates reach the optimizer that steps.
+    """
+
+    #: `torch.amp.GradScaler` gives an optimizer that unscales in its own step (a fused Adam) the
+    #: scale as attributes; set on this wrapper they would not reach the wrapped optimizer, which
+    #: would step with scaled gradients. False: the scaler unscales the gradients, then steps.
+    _step_supports_amp_scaling = False
+
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        if isinstance(optimizer, DistributedOptimizer):
+            raise SmpartError("this optimizer is already a DistributedOptimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise SmpartError("DistributedOptimizer wraps a torch.optim.Optimizer, "
                               f"got {type(optimizer).__name__}")
@@ -112,6 +127,13 @@ class DistributedOptimizer:
         if optimizer is None:
             raise AttributeError(name)
         return getattr(optimizer, name)
+
+    # Optimizer's own pickle support would keep only the groups and the state, not what is wrapped.
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r})"

@@ -306,6 +306,24 @@ def test_the_wrappers_refuse_what_they_cannot_wrap():
             wrap(wrong)
 
 
+@pytest.mark.timeout(60)
+def test_casting_a_distributed_model_returns_it_and_moving_a_placed_one_is_refused():
+    """``model = model.double()`` keeps the wrapper (the module's own method returns the module,
+    which a step refuses); a device move after placement would undo it: refused."""
+    example = ZOO["gpt2"]()
+    model = smpart.DistributedModel(example.model)
+    assert model.double() is model and model.to("cpu") is model  # before placement, devices too
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    smpart.init(pipeline_parallel_degree=2, microbatches=2)
+    args, kwargs, target = example.batch(4)
+    train_step(model, example, args, kwargs, target)
+    assert model.float() is model and {p.dtype for p in model.parameters()} == {torch.float32}
+    assert torch.isfinite(train_step(model, example, args, kwargs, target).stack()).all()
+    for move in (lambda: model.to("cpu"), model.cpu, model.cuda, lambda: model.to(torch.zeros(1))):
+        with pytest.raises(smpart.SmpartError, match="placed on their devices"):
+            move()
+
+
 def test_a_grad_scaler_unscales_before_a_fused_optimizer_steps():
     """`torch.amp.GradScaler` gives a fused optimizer its scale as attributes, which set on the
     wrapper would never reach it (it would step with the scaled gradient): the wrapper takes the

@@ -138,6 +138,45 @@ class DistributedModel:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none)
 
+    # ================================================================ casts and moves
+    # The wrapped module's own methods return the module: after ``model = model.double()`` a step
+    # would be handed a plain module, and refuse it. These return this DistributedModel.
+    def to(self, *args: Any, **kwargs: Any) -> DistributedModel:
+        """Cast the model (``.to(torch.float64)``); a device only before its first step."""
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None:
+            self._refuse_moves_once_placed(f"to({str(device)!r})")
+        self.module.to(*args, **kwargs)
+        return self
+
+    def cuda(self, device: Any = None) -> DistributedModel:
+        self._refuse_moves_once_placed("cuda()")
+        self.module.cuda(device)
+        return self
+
+    def cpu(self) -> DistributedModel:
+        self._refuse_moves_once_placed("cpu()")
+        self.module.cpu()
+        return self
+
+    def float(self) -> DistributedModel:
+        return self.to(torch.float32)
+
+    def double(self) -> DistributedModel:
+        return self.to(torch.float64)
+
+    def half(self) -> DistributedModel:
+        return self.to(torch.float16)
+
+    def bfloat16(self) -> DistributedModel:
+        return self.to(torch.bfloat16)
+
+    def _refuse_moves_once_placed(self, call: str) -> None:
+        if self._partition is not None:
+            raise SmpartError(f"model.{call}: this model's stages were placed on their devices at its first "
+                              "step, and moving it would undo that; choose the devices with "
+                              "smpart.init(devices=[...]) (dtype casts are fine)")
+
     def __getattr__(self, name: str) -> Any:
         module = self.__dict__.get("module")
         if module is None:

@@ -4,6 +4,7 @@ The public API, re-exported; nothing inside the package imports from here.
 """
 
 import functools
+import importlib
 
 from smpart.config import Config
 from smpart.errors import (
@@ -67,16 +68,22 @@ __version__ = "0.1.0"
 _CHECKPOINT_API = ("save_checkpoint", "load_checkpoint", "load_weights")
 
 
+#: Public modules, imported at first use too: ``smpart.nn.DistributedLinear``, ``smpart.amp.GradScaler``.
+_MODULES = ("nn", "amp")
+
+
 def __getattr__(name: str):
     if name in _CHECKPOINT_API:
         from smpart import checkpoint
 
         return getattr(checkpoint, name)
+    if name in _MODULES:
+        return importlib.import_module(f"smpart.{name}")
     raise AttributeError(f"module 'smpart' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_CHECKPOINT_API})
+    return sorted({*globals(), *_CHECKPOINT_API, *_MODULES})
 
 
 @functools.wraps(_tracer.trace)

@@ -39,7 +39,7 @@ def test_stages_sharing_one_gpu_on_threads(name):
     for schedule in ("gpipe", "1f1b"):
         diff = _train(name, 2, 4, schedule, devices=["cuda:0", "cuda:0"])
         diff.assert_within(TOL, (name, schedule))
-        assert diff.devices == ["cuda:0"]
+        assert diff.devices == diff.output_devices == ["cuda:0"]
 
 
 @needs_gpu
@@ -70,6 +70,11 @@ def test_one_process_per_stage_on_one_shared_gpu_over_gloo():
     _assert_ranks(results)
     for report in values(results):
         assert all(diff.devices == ["cuda:0"] and diff.bytes_sent > 0 for _, diff in report)
+    # The driver's rank got the model's outputs on its device, as NCCL would bring them (gloo
+    # brings CUDA tensors to the CPU); the other rank runs no step body.
+    driver, other = values(results)
+    assert all(diff.output_devices == ["cuda:0"] for _, diff in driver), driver
+    assert all(diff.output_devices == [] for _, diff in other), other
 
 
 @needs_two_gpus

@@ -29,9 +29,14 @@ def _fresh_runtime():
 @smpart.step
 def train_step(model, example, args, kwargs, target):
     output = model(*args, **kwargs)
+    OUTPUT_DEVICES.add(str(_device_of(output)))
     loss = example.loss(output, target.to(_device_of(output)))  # the last stage may be on a GPU
     model.backward(loss)
     return loss
+
+
+#: Where `train_step`'s body got the model's output, in this process (drivers add to it).
+OUTPUT_DEVICES: set[str] = set()
 
 
 def _device_of(output) -> torch.device:
@@ -63,6 +68,7 @@ class Differences:
     same_state_keys: bool = True
     devices: list[str] = field(default_factory=list)  # where the parameters held here are
     bytes_sent: int = 0  # crossing stages in the last step
+    output_devices: list[str] = field(default_factory=list)  # where the step body got the model's output
 
     def assert_within(self, tol: float, context: object = None) -> None:
         assert not self.one_sided_grads, (context, self.one_sided_grads)
@@ -109,6 +115,7 @@ def train_side_by_side(factory, stages, microbatches, schedule, steps=3, batch_s
     opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
     diff = Differences()
+    OUTPUT_DEVICES.clear()
     for step in range(steps):
         args, kwargs, target = example.batch(batch_size, seed=step)
         out = train_step(model, example, args, kwargs, target)
@@ -126,6 +133,7 @@ def train_side_by_side(factory, stages, microbatches, schedule, steps=3, batch_s
                      for k, v in expected_state.items())
     diff.devices = sorted({str(p.device) for p in model.parameters() if p.device.type != "meta"})
     diff.bytes_sent = sum(out.timeline.bytes_sent.values())
+    diff.output_devices = sorted(OUTPUT_DEVICES)
     return model, reference, out, diff
 
 

@@ -148,7 +148,7 @@ class Driver:
             output = carried.unpack_answer(output, message.carried, originals, None)
         restore_requires_grad(output, message.grad_mask)
         route = route if ambient.grad_enabled else None
-        output = boundary.arrive(output, None, route, self.outbox.post)
+        output = boundary.arrive(output, run.device, route, self.outbox.post)
         if message.refs:  # outputs held by other stages: the body computes with data
             output = handles.resolve(output, None, lambda ref: self.fetch(frame, ref), None)
         return output
@@ -158,13 +158,13 @@ class Driver:
         if have is not None:
             return have
         if ref.data is not None:
-            return handles.arrive_fetched(ref.data, ref, None, self.outbox.post)
+            return handles.arrive_fetched(ref.data, ref, self.run.device, self.outbox.post)
         run = self.run
         fetch_id = new_call_id(run.place)
         run.send(ref.owner, Fetch(run.step, ref.microbatch, fetch_id, self.address, ref.call_id, ref.index,
                                   ref.promised))
         message = self._response(fetch_id, f"a tensor held at {ref.owner}")
-        return handles.arrive_fetched(message.output, ref, None, self.outbox.post)
+        return handles.arrive_fetched(message.output, ref, run.device, self.outbox.post)
 
     def _response(self, call_id: Any, what: str) -> Response:
         """Serve the inbox until the answer to ``call_id`` comes; raise the error it brings."""

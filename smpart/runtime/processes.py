@@ -161,6 +161,8 @@ class ProcessRuntime:
         self.stage, self.dp_rank, self.tp_rank = layout.coordinates(self.rank)
         self.driver_place = self.place_of_stage(0)
         self.is_driver = self.rank == self.driver_place
+        # The rank's device, as NCCL receives onto it: gloo brings CUDA tensors to the CPU.
+        self.driver_device = self.setup.device
         replica = [self.place_of_stage(s) for s in range(self.num_stages)]
         # The tensor-parallel ranks of this stage follow the first one's order of work (`scheduler`).
         shards = [layout.rank_of(self.stage, self.dp_rank, t) for t in range(layout.tp)]

@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from smpart.config import Config
@@ -42,6 +43,9 @@ class Runtime:
     rank: int | None = None
     #: Where drivers and step coordinators live (the first stage's place).
     driver_place = 0
+    #: Where tensors that reach a driver from another process land (None: where they come from;
+    #: on threads they come by reference, on the device of the stage that made them).
+    driver_device: torch.device | None = None
 
     def __init__(self, config: Config) -> None:
         self.config = config

@@ -49,6 +49,7 @@ class StepRun:
         self.microbatches = len(pieces)
         self.transport = runtime.transport
         self.place = runtime.driver_place
+        self.device = runtime.driver_device
         self.rank = runtime.rank
         self.num_stages = runtime.num_stages
         self.place_of_stage = runtime.place_of_stage

@@ -275,7 +275,12 @@ def _meta_built(rank):
     after = dm.local_state_dict()
     moved = all(not torch.equal(before[k], v) for k, v in after.items() if k.endswith("weight"))
     total = sum(p.numel() for p in example.model.parameters())
-    return float(out.reduce_mean()), sorted(devices), held, total, moved
+    try:  # outside a step the rank has only its stage's weights: a clear error, not a meta-device one
+        dm(example.args[0])
+        outside = "ran"
+    except smpart.SmpartError as err:
+        outside = str(err)
+    return float(out.reduce_mean()), sorted(devices), held, total, moved, outside
 
 
 @pytest.mark.timeout(120)
@@ -283,9 +288,10 @@ def test_a_model_built_on_meta_is_materialised_per_rank_and_evaluates():
     results = values(run_ranks(_meta_built, 2, timeout_s=110))
     losses = [loss for loss, *_ in results]
     assert losses[0] == losses[1] and torch.isfinite(torch.tensor(losses[0]))
-    for _, devices, held, _, moved in results:
+    for _, devices, held, _, moved, outside in results:
         assert devices == ["cpu", "meta"] and held > 0
         assert moved, "the optimizer made before placement trains the materialised parameters"
+        assert "can run only inside a step" in outside, outside
     assert sum(r[2] for r in results) == results[0][3]
 
 

@@ -52,6 +52,12 @@ class DistributedModel:
         if driver is not None:
             driver.wait_turn()
             driver.run.runtime.ensure_placed(self, args, kwargs)
+        elif _has_meta_weights(self.module):
+            raise SmpartError(
+                "this model has weights on the meta device here (under torchrun a rank keeps only its own "
+                "stage's weights once the model is placed; a model built on meta gets them at its first "
+                "step), so it can run only inside a step: call it from an @smpart.step function, e.g. "
+                "@smpart.step def predict(model, x): return model(x)")
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:
@@ -190,6 +196,10 @@ class DistributedModel:
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor-parallel shard gathered whole (collective over its tensor-parallel group)."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _has_meta_weights(module: nn.Module) -> bool:
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
 
 def _driver() -> Driver | None:

@@ -178,7 +178,7 @@ class DistributedModel:
         return self.to(torch.bfloat16)
 
     def _refuse_moves_once_placed(self, call: str) -> None:
-        if self._partition is not None:
+        if self._runtime is not None:  # placed, until smpart.shutdown gives the plain module back
             raise SmpartError(f"model.{call}: this model's stages were placed on their devices at its first "
                               "step, and moving it would undo that; choose the devices with "
                               "smpart.init(devices=[...]) (dtype casts are fine)")

@@ -157,9 +157,9 @@ class Driver:
         """Materialise a handle: ask the stage holding it for the data (unless it came with it)."""
         if have is not None:
             return have
-        if ref.data is not None:
-            return handles.arrive_fetched(ref.data, ref, self.run.device, self.outbox.post)
         run = self.run
+        if ref.data is not None:
+            return handles.arrive_fetched(ref.data, ref, run.device, self.outbox.post)
         fetch_id = new_call_id(run.place)
         run.send(ref.owner, Fetch(run.step, ref.microbatch, fetch_id, self.address, ref.call_id, ref.index,
                                   ref.promised))

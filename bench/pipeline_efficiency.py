@@ -9,10 +9,13 @@ runtime's). ``time.sleep`` itself overshoots a little, so the ratio to the ideal
 the sleep times measured on this machine (outside the runtime) is printed too: that one is the
 runtime's own overhead.
 
-Twice: the stages on threads of this process, and on one process per stage (gloo, spawned from
-this script, one intra-op thread each; step times of the driver's rank), alternating round by
-round so that a change in the machine's load hits both alike. The root module (the loop over the
-blocks) lives on stage 0, as smpart places it.
+Three times: the stages on threads of this process; on one process per stage (gloo, spawned from
+this script, one intra-op thread each; step times of the driver's rank); and, as the yardstick of
+what a pipeline over processes reaches on this machine, torch.distributed.pipelining's own
+``ScheduleGPipe`` / ``Schedule1F1B`` over the same blocks in the same processes (one block per
+rank, the loss on the last stage; step times of the first stage's rank, whose last backward ends
+the step), alternating round by round so that a change in the machine's load hits all alike.
+smpart places the root module (the loop over the blocks) on stage 0.
 
 The activation is 2 rows of ``--width`` float32 per micro-batch: 8 (the default, 64 B) is at most
 `handles.SMALL_BYTES`, so every block's output travels with its reference and the root waits for
@@ -30,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -128,6 +132,47 @@ def on_processes(pool: RankPool, *args) -> tuple[list[float], list[float], str, 
     return times, bubbles, path, sum(rank[3] for rank in ranks)
 
 
+def on_rank_torch(rank: int, schedule: str, stages: int, microbatches: int, seconds: float, steps: int,
+                  width: int = 8) -> tuple[list[float], list[float], str, float]:
+    """The same blocks under torch.distributed.pipelining, one per rank (``PipelineStage`` by hand,
+    as `bench.processes.run_torch`), with the loss ``sum`` on the last stage."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    block = SleepBlock(seconds)
+    stage = PipelineStage(block, rank, stages, torch.device("cpu"))
+    kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+    pipeline = kind(stage, microbatches, loss_fn=lambda out, _target: out.sum())
+    x = torch.randn(microbatches * 2, width)
+    target = torch.zeros(microbatches)  # split like x; the loss ignores it
+
+    def one_step() -> None:
+        if rank == 0:
+            pipeline.step(x)
+        elif rank == stages - 1:
+            pipeline.step(target=target)
+        else:
+            pipeline.step()
+
+    torch.distributed.barrier()
+    for _ in range(stages):
+        one_step()
+    times = []
+    cpu_before = _cpu_seconds()
+    for _ in range(steps):
+        start = time.perf_counter()
+        one_step()
+        times.append(time.perf_counter() - start)
+    cpu = (_cpu_seconds() - cpu_before) / steps
+    torch.distributed.barrier()
+    return times, [float("nan")] * steps, "", cpu
+
+
+def on_torch_processes(pool: RankPool, *args) -> tuple[list[float], list[float], str, float]:
+    """The first stage's rank's step times; the CPU per step of every rank, summed."""
+    ranks = pool.run(on_rank_torch, *args)
+    return ranks[0][0], ranks[0][1], "", sum(rank[3] for rank in ranks)
+
+
 def slept_seconds(seconds: float, samples: int = 40) -> float:
     """What one micro-batch's kernels on one stage really take here: ``time.sleep(t)`` plus
     ``time.sleep(2t)``, means over ``samples`` (sleep overshoots by the OS's timer slack and
@@ -164,19 +209,27 @@ def main() -> None:
     with RankPool(a.stages) as pool:
         for _ in range(a.rounds):
             for schedule in ("gpipe", "1f1b"):
-                for where in ("threads", "processes"):
-                    args = (schedule, a.stages, a.microbatches, t, a.steps, a.width)
-                    got = measure(*args) if where == "threads" else on_processes(pool, *args)
+                for where, run in (("threads", measure), ("processes", partial(on_processes, pool)),
+                                   ("torch", partial(on_torch_processes, pool))):
+                    got = run(schedule, a.stages, a.microbatches, t, a.steps, a.width)
                     old = results.get((where, schedule), ([], [], "", []))
                     results[(where, schedule)] = (old[0] + got[0], old[1] + got[1], got[2], old[3] + [got[3]])
-    ordered = sorted(results.items(), key=lambda kv: kv[0][0] != "threads")
-    for (where, schedule), (times, bubbles, path, cpus) in ordered:
+    order = ("threads", "processes", "torch")
+    for (where, schedule), (times, bubbles, path, cpus) in sorted(results.items(),
+                                                                   key=lambda kv: order.index(kv[0][0])):
         step_s, bubble = statistics.median(times), statistics.median(bubbles)
-        print(f"  {where:<9} {schedule:<5} step {step_s * 1e3:6.1f} ms (median of {len(times)})  "
-              f"bubble {bubble:5.1%}  CPU {statistics.median(cpus) * 1e3:5.1f} ms/step  timeline {path}")
-        print(f"  {'':<15} step / ideal from nominal t:                 {step_s / ideal:5.3f}  (goal 1.05)")
-        print(f"  {'':<15} step / ideal from the measured kernel times: {step_s / measured_ideal:5.3f}  "
+        shown = f"bubble {bubble:5.1%}" if path else " " * 13
+        where_shown = "torch procs" if where == "torch" else where
+        saved = f"  timeline {path}" if path else ""
+        print(f"  {where_shown:<11} {schedule:<5} step {step_s * 1e3:6.1f} ms (median of {len(times)})  "
+              f"{shown}  CPU {statistics.median(cpus) * 1e3:5.1f} ms/step{saved}")
+        print(f"  {'':<17} step / ideal from nominal t:                 {step_s / ideal:5.3f}  (goal 1.05)")
+        print(f"  {'':<17} step / ideal from the measured kernel times: {step_s / measured_ideal:5.3f}  "
               "(the runtime's own overhead)")
+    for schedule in ("gpipe", "1f1b"):
+        ours = statistics.median(results[("processes", schedule)][0])
+        theirs = statistics.median(results[("torch", schedule)][0])
+        print(f"  smpart processes / torch procs ({schedule}): {ours / theirs:.3f}")
 
 if __name__ == "__main__":
     main()

@@ -113,6 +113,74 @@ def test_nested_shared_and_tied_placements_on_processes():
             assert worst <= TOL, (name, worst)
 
 
+# ---------------------------------------------------------------------------- the state dict
+class _ThreeBlocks(torch.nn.Module):
+    """A block per stage; the first has BatchNorm, whose running statistics are state too."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8))
+        self.b = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        self.c = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+def _state_dict_asked_by_one_rank(rank):
+    """``if smpart.rank() == 0: torch.save(model.state_dict(), ...)``, between steps and after the
+    other ranks ended their script, as well as every rank asking: the state of the unsplit model."""
+    torch.manual_seed(0)
+    module = _ThreeBlocks().double()
+    reference = copy.deepcopy(module)
+    smpart.init(pipeline_parallel_degree=3, microbatches=2, pin={"": 0, "a": 0, "b": 1, "c": 2}, timeout_s=60)
+    dm = smpart.DistributedModel(module)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    expected, got = [], {}
+
+    def train(seed):
+        g = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 1, generator=g,
+                                                                                dtype=torch.float64)
+        _mse_step(dm, x, y)
+        opt.step()
+        opt.zero_grad()
+        (sum(F.mse_loss(reference(a), b) for a, b in zip(x.chunk(2), y.chunk(2), strict=True)) / 2).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        expected.append({k: v.clone() for k, v in reference.state_dict().items()})
+
+    def compare(name, full):
+        want = expected[-1]
+        assert list(full) == list(want), (name, list(full))
+        got[name] = max((full[k] - v).abs().max().item() for k, v in want.items())
+
+    train(0)
+    if rank == 0:
+        compare("rank 0 alone, between steps", dm.state_dict())
+    train(1)
+    compare("every rank", dm.state_dict())
+    train(2)
+    if rank == 0:
+        time.sleep(1.0)  # the other ranks reach smpart.shutdown() first
+        compare("rank 0 alone, after the others shut down", dm.state_dict())
+    else:
+        smpart.shutdown()  # the end of their script
+    return got
+
+
+@pytest.mark.timeout(180)
+def test_state_dict_asked_by_the_first_rank_alone_or_by_every_rank():
+    results = values(run_ranks(_state_dict_asked_by_one_rank, 3, timeout_s=170))
+    assert set(results[0]) == {"rank 0 alone, between steps", "every rank",
+                               "rank 0 alone, after the others shut down"}
+    assert set(results[1]) == set(results[2]) == {"every rank"}
+    for got in results:
+        for name, worst in got.items():
+            assert worst <= TOL, (name, worst)
+
+
 # ---------------------------------------------------------------------------- SMPART_DEBUG
 @smpart.step
 def _mse_step(model, x, y):

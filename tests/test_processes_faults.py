@@ -115,6 +115,35 @@ def test_a_rank_that_dies_makes_the_others_fail_naming_it(when):
     assert waited < 60
 
 
+def _state_asked_of_a_rank_gone(rank, how):
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, pin=PINS, timeout_s=60)
+    torch.manual_seed(0)
+    dm = smpart.DistributedModel(Chain())
+    _step(dm, torch.randn(4, 4, dtype=torch.float64))
+    if rank == 1 and how == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 1:  # its script fails outside a step: smpart shuts down at once, answering nobody
+        raise RuntimeError("rank 1 failed outside the step")
+    time.sleep(1.0)
+    start = time.monotonic()
+    try:
+        dm.state_dict()
+    except smpart.SmpartError as err:
+        return str(err), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["raised", "killed"])
+def test_the_state_dict_asked_of_a_rank_gone_is_a_clear_error(how):
+    results = run_ranks(_state_asked_of_a_rank_gone, 2, how, timeout_s=110)
+    text, waited = results[0].value
+    expected = {"raised": "rank(s) [1] shut smpart down before sending their part",
+                "killed": "rank 1 was lost"}[how]
+    assert expected in text, text
+    assert waited < 30
+
+
 class _Peerless:
     """What `RoutedTransport` needs of a `ProcessTransport`, without processes."""
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.launch import free_port
 
@@ -83,3 +84,17 @@ def test_the_example_script_trains_alike_on_two_torchrun_nodes():
     processes = _losses(outputs[0])[1]
     threads = _final_loss([sys.executable, *SCRIPT, "--stages", "4"])
     assert abs(threads - processes) <= 1e-5, (threads, processes)
+
+
+@pytest.mark.timeout(120)
+def test_the_first_rank_alone_saves_the_state_dict_after_the_others_scripts_ended(tmp_path):
+    """``if smpart.rank() == 0: torch.save(model.state_dict(), path)`` after the last step: the other
+    rank's script ends meanwhile, and smpart's shutdown at its exit answers before it goes."""
+    out = tmp_path / "state.pt"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), "-m", "tests.torchrun_save", str(out)]
+    done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    saved = torch.load(out)
+    assert saved["keys"] == saved["expected_keys"]
+    assert saved["worst"] <= 1e-12, saved["worst"]

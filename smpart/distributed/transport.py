@@ -393,6 +393,11 @@ class ProcessTransport:
         if place in self._gone:
             raise SmpartError(f"rank {place} has closed its transport: it receives nothing more")
 
+    def unreachable(self) -> set[int]:
+        """Peers that said goodbye (closed their transport) or were lost: nothing sent reaches them."""
+        with self._lock:
+            return self.lost | self._gone
+
     def _raise_if_lost(self) -> None:
         if self._lost_order:
             rank = self._lost_order[0]

@@ -282,3 +282,26 @@ class Leaving:
 
     rank: int
     steps: int
+
+
+@dataclass(slots=True)
+class StateRequest:
+    """Processes: rank ``rank`` asks for this rank's own entries of model ``model``'s state dict
+    (request ``request``). Answered by the main thread where the rank's parameters hold still:
+    inside the step function before the step begins, inside its own ``state_dict()``, and at
+    ``smpart.shutdown()``."""
+
+    rank: int
+    request: int
+    model: int
+
+
+@dataclass(slots=True)
+class StateReply:
+    """This rank's own state-dict entries (``entries``, CPU tensors) for ``StateRequest`` ``request``
+    (``error``: it could not give them)."""
+
+    rank: int
+    request: int
+    entries: dict[str, Any] | None = None
+    error: BaseException | None = None

@@ -102,15 +102,26 @@ class DistributedModel:
         """This rank's own entries (its stage's), on their device; on threads, every entry."""
         return {k: v for k, v in self.module.state_dict(keep_vars=False).items() if v.device.type != "meta"}
 
+    def _own_state(self) -> dict[str, torch.Tensor]:
+        """This rank's own entries, on the CPU."""
+        return {k: v.detach().cpu() for k, v in self.local_state_dict().items()}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsplit state dict (every tensor on the CPU) that the plain model loads.
 
-        Under ``torchrun`` this is collective: every rank must call it, and every rank gets the
-        whole dict (each rank contributes its own stage's entries)."""
+        Under ``torchrun``, call it on every rank, or on the first stage's rank alone
+        (``if smpart.rank() == 0: torch.save(model.state_dict(), path)``, between steps or after
+        the last): each other stage's rank sends its own entries when it next waits inside the step
+        function, its own ``state_dict()`` or ``smpart.shutdown()``, where its parameters hold
+        still. With tensor parallelism it is collective: every rank must call it."""
+        runtime = self._runtime
+        if getattr(runtime, "state_group", None) is None:  # threads, or not placed: every entry is here
+            return self._own_state()
+        if runtime.layout.tp == 1:
+            return runtime.gather_state(self)
+        # Tensor-parallel shards are gathered whole by a collective over each stage's shards.
         local = {k: _full(v).detach().cpu() for k, v in self.local_state_dict().items()}
-        group = getattr(self._runtime, "state_group", None)
-        if group is None:
-            return local
+        group = runtime.state_group
         gathered: list[Any] = [None] * torch.distributed.get_world_size(group)
         torch.distributed.all_gather_object(gathered, local, group=group)
         order = list(self.module.state_dict(keep_vars=True))

@@ -40,7 +40,17 @@ from smpart.distributed.launch import Setup, release_groups, setup
 from smpart.distributed.transport import ProcessTransport
 from smpart.errors import PeerLost, PipelineError, SmpartError
 from smpart.runtime.data_parallel import GradientReducer, stage_parameters
-from smpart.runtime.messages import MAIN, STAGE, Address, Leaving, Placed, PlaceModel, StepResult
+from smpart.runtime.messages import (
+    MAIN,
+    STAGE,
+    Address,
+    Leaving,
+    Placed,
+    PlaceModel,
+    StateReply,
+    StateRequest,
+    StepResult,
+)
 from smpart.runtime.placement import place_on_rank, unplace
 from smpart.runtime.stage import POLL_S, StageServer
 from smpart.runtime.step_run import StepRun
@@ -179,8 +189,13 @@ class ProcessRuntime:
         if self.is_driver:
             self.server.armed = math.inf  # its main thread is the step's coordinator
         self.servers = [self.server]
-        #: The group `DistributedModel.state_dict` gathers over.
+        #: The group `DistributedModel.state_dict` gathers over under tensor parallelism (`gather_state`).
         self.state_group = self.setup.collective_group
+        self._state_requests = itertools.count()
+        #: Messages for the step function's wait that a wait for state-dict replies took (`gather_state`).
+        self._deferred: list[Any] = []
+        #: Whether `shutdown` answers the peers' state requests until they leave too (`_await_peers_leaving`).
+        self.answer_at_shutdown = True
         self._reducer: GradientReducer | None = None
         self._reducer_lock = threading.Lock()
         if layout.dp > 1:
@@ -207,7 +222,10 @@ class ProcessRuntime:
             step = self.steps_taken
             self.transport.step = step
             try:
-                return self._drive(step, fn, pieces) if self.is_driver else self._follow(step)
+                if self.is_driver:
+                    self._answer_state_requests()  # its parameters hold still until the step begins
+                    return self._drive(step, fn, pieces)
+                return self._follow(step)
             finally:
                 self.transport.step = None
                 self.steps_taken = step + 1
@@ -238,11 +256,16 @@ class ProcessRuntime:
         self.server.arm(step)
         timeout_s = self.config.timeout_s
         started = time.monotonic()
+        main = (self.rank, MAIN)
         # A step may take longer than timeout_s (a limit on each wait); give up only when neither the
         # driver's rank answered nor this stage heard anything for that long.
         while time.monotonic() - max(started, self.server.last_activity) < timeout_s:
-            message = self.transport.receive((self.rank, MAIN), POLL_S)
-            if isinstance(message, PlaceModel):
+            message = self._deferred.pop(0) if self._deferred else self.transport.receive(main, POLL_S)
+            if isinstance(message, StateRequest):
+                # A rank asking is not in this step: until the step begins, this rank's parameters
+                # hold still (if it began without the asking rank, it fails anyway).
+                self._answer_state(message)
+            elif isinstance(message, PlaceModel):
                 self._place_here(message)
             elif isinstance(message, StepResult):
                 if message.step != step:
@@ -253,6 +276,71 @@ class ProcessRuntime:
                 return message.results, message.timeline
         raise PipelineError(f"rank {self.rank} heard nothing for {timeout_s} s while waiting for step {step} "
                             "to end (a hang on another rank?)", rank=self.rank)
+
+    # ================================================================ the state dict
+    def gather_state(self, model: DistributedModel) -> dict[str, torch.Tensor]:
+        """Every entry of ``model``'s state dict, on the CPU: this rank's own, and those of the other
+        stages of its replica, asked of their ranks.
+
+        One-sided: a rank answers where its parameters hold still (waiting for a step to begin, in its
+        own ``state_dict()``, at ``smpart.shutdown()``), so ``if smpart.rank() == 0:
+        torch.save(model.state_dict(), ...)`` works, and so does every rank calling it."""
+        request = next(self._state_requests)
+        others = {self.place_of_stage(stage) for stage in range(self.num_stages)} - {self.rank}
+        self._raise_if_gone(others)
+        for peer in sorted(others):
+            self.transport.send(self.rank, (peer, MAIN), StateRequest(self.rank, request, model.model_id))
+        parts = {self.rank: model._own_state()}
+        deadline = time.monotonic() + self.config.timeout_s
+        while missing := sorted(others - parts.keys()):
+            message = self.transport.receive((self.rank, MAIN), POLL_S)
+            if isinstance(message, StateReply):
+                if message.request == request:  # not one a wait that gave up left behind
+                    if message.error is not None:
+                        raise message.error
+                    parts[message.rank] = message.entries
+            elif isinstance(message, StateRequest):
+                self._answer_state(message)
+            elif message is not None:
+                self._deferred.append(message)  # a `PlaceModel` or `StepResult`: the step's wait takes it
+            self._raise_if_gone(set(missing))
+            if time.monotonic() > deadline:
+                raise SmpartError(f"rank(s) {missing} did not send their part of the state dict within "
+                                  f"{self.config.timeout_s} s. A rank answers inside the step function, "
+                                  "model.state_dict() or smpart.shutdown(): does every rank reach one?")
+        merged = {k: v for part in parts.values() for k, v in part.items()}
+        return {k: merged[k] for k in model.module.state_dict(keep_vars=True) if k in merged}
+
+    def _raise_if_gone(self, peers: set[int]) -> None:
+        """Raise if one of ``peers`` cannot answer any more: `PeerLost` if it was lost, else (it shut
+        smpart down) an `SmpartError` saying so."""
+        self.transport.check()
+        gone = sorted(peers & self.transport.inner.unreachable())
+        if gone:
+            raise SmpartError(f"rank(s) {gone} shut smpart down before sending their part of the state dict "
+                              "(only they hold their stages' weights): call model.state_dict() before "
+                              "smpart.shutdown() on every rank")
+
+    def _answer_state_requests(self) -> None:
+        """Answer the requests for this rank's state-dict entries that wait on its main address."""
+        while (message := self.transport.receive((self.rank, MAIN), 0)) is not None:
+            if isinstance(message, StateRequest):
+                self._answer_state(message)
+            elif not isinstance(message, StateReply):  # a reply is one a wait that gave up left behind
+                self._deferred.append(message)
+
+    def _answer_state(self, message: StateRequest) -> None:
+        from smpart.runtime.model import model_by_id
+
+        model = model_by_id(message.model)
+        reply = StateReply(self.rank, message.request)
+        if model is None or model._runtime is not self:
+            reply.error = SmpartError(f"rank {self.rank} has not placed DistributedModel #{message.model}: "
+                                      "every rank must create the same DistributedModels in the same order")
+        else:
+            reply.entries = model._own_state()
+        with contextlib.suppress(SmpartError):  # the asking rank is gone: nobody waits for the answer
+            self.transport.send(self.rank, (message.rank, MAIN), reply)
 
     # ================================================================ data parallelism
     def _begin_gradient_sync(self) -> None:
@@ -402,14 +490,33 @@ class ProcessRuntime:
         model.tensor_parallel_plan = plan
 
     # ================================================================ the end
+    def _await_peers_leaving(self) -> None:
+        """Until every peer has said it is leaving too (or is gone), answer what it asks of this
+        rank's state: a rank saving ``model.state_dict()`` after its last step while the others have
+        reached the end of their script still gets their stages' entries. Bounded by ``timeout_s``:
+        a peer busy elsewhere for longer is not waited for."""
+        deadline = time.monotonic() + self.config.timeout_s
+        peers = set(self.transport.inner.peers)
+        while peers - self.transport.left.keys() - self.transport.inner.unreachable():
+            if time.monotonic() > deadline:
+                return
+            try:
+                message = self.transport.receive((self.rank, MAIN), POLL_S)
+            except SmpartError:
+                return  # a peer was lost: the job is failing, and no answer is waited for any more
+            if isinstance(message, StateRequest):
+                self._answer_state(message)
+
     def shutdown(self, timeout_s: float = 10.0) -> list[str]:
+        self.transport.say_leaving(self.steps_taken)
+        if self.answer_at_shutdown:
+            self._await_peers_leaving()
         if self._reducer is not None:
             self._reducer.remove()
         for model in list(self.models.values()):
             unplace(model.module, self.servers)
             model._runtime = None
         stuck = self.server.stop(timeout_s)
-        self.transport.say_leaving(self.steps_taken)
         self.transport.shutdown()
         self.state_group = None
         release_groups(self.setup)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -124,6 +125,10 @@ def init(config: Config | dict[str, Any] | None = None, **kwargs: Any) -> Config
         from smpart.runtime.processes import ProcessRuntime
 
         _runtime = ProcessRuntime(cfg)  # type: ignore[assignment]
+        # Exit hooks run last registered first: smpart's shutdown must run before the transport's
+        # hook (registered at its import, just now) aborts the transports still open.
+        atexit.unregister(_shutdown_at_exit)
+        atexit.register(_shutdown_at_exit)
         return cfg
     if cfg.tensor_parallel_degree != 1 or (cfg.data_parallel_degree or 1) != 1:
         raise ConfigError("on threads (no torchrun) smpart runs pipeline parallelism only: "
@@ -138,6 +143,8 @@ def shutdown() -> None:
     global _runtime
     runtime, _runtime = _runtime, None
     if runtime is not None:
+        if sys.exc_info()[1] is not None:  # called while an error propagates: fail fast, answer nobody
+            runtime.answer_at_shutdown = False
         stuck = runtime.shutdown()
         if stuck:
             raise SmpartError(f"threads still busy after shutdown (a module that never returns?): {stuck}")
@@ -185,6 +192,8 @@ def partition_of(model: Any) -> Partition:
 def _shutdown_at_exit() -> None:
     """Flush and stop smpart (its last messages must leave), then the process group it made."""
     owned = getattr(_runtime, "setup", None) is not None and _runtime.setup.created_default_group
+    if _runtime is not None and hasattr(sys, "last_value"):
+        _runtime.answer_at_shutdown = False  # the script ended with an uncaught exception: fail fast
     with contextlib.suppress(SmpartError):  # daemon threads still stuck in a module die with the process
         shutdown()
     if owned:

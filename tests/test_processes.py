@@ -128,53 +128,64 @@ class _ThreeBlocks(torch.nn.Module):
 
 
 def _state_dict_asked_by_one_rank(rank):
-    """``if smpart.rank() == 0: torch.save(model.state_dict(), ...)``, between steps and after the
-    other ranks ended their script, as well as every rank asking: the state of the unsplit model."""
+    """``if smpart.rank() == 0: torch.save({"model": model.state_dict(), "optimizer":
+    optimizer.state_dict()}, ...)`` between steps and after the other ranks ended their script,
+    and every rank asking: the state of the unsplit model and of its optimizer. Then an optimizer
+    loads the unsplit one's state and trains on alike."""
     torch.manual_seed(0)
     module = _ThreeBlocks().double()
     reference = copy.deepcopy(module)
     smpart.init(pipeline_parallel_degree=3, microbatches=2, pin={"": 0, "a": 0, "b": 1, "c": 2}, timeout_s=60)
     dm = smpart.DistributedModel(module)
-    opt = smpart.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.1))
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    expected, got = [], {}
+    opts = [smpart.DistributedOptimizer(torch.optim.Adam(dm.parameters(), lr=0.01))]
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    got = {}
 
     def train(seed):
         g = torch.Generator().manual_seed(seed)
         x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 1, generator=g,
                                                                                 dtype=torch.float64)
         _mse_step(dm, x, y)
-        opt.step()
-        opt.zero_grad()
+        opts[-1].step()
+        opts[-1].zero_grad()
         (sum(F.mse_loss(reference(a), b) for a, b in zip(x.chunk(2), y.chunk(2), strict=True)) / 2).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        expected.append({k: v.clone() for k, v in reference.state_dict().items()})
 
-    def compare(name, full):
-        want = expected[-1]
+    def compare(name):
+        full, want = dm.state_dict(), reference.state_dict()
         assert list(full) == list(want), (name, list(full))
-        got[name] = max((full[k] - v).abs().max().item() for k, v in want.items())
+        worst = max((full[k] - v).abs().max().item() for k, v in want.items())
+        state, want_state = opts[-1].state_dict(), ref_opt.state_dict()
+        assert state["param_groups"] == want_state["param_groups"], name
+        assert state["state"].keys() == want_state["state"].keys(), (name, state["state"].keys())
+        for index, entry in want_state["state"].items():
+            assert entry.keys() == state["state"][index].keys(), name
+            mine = state["state"][index]
+            worst = max([worst] + [(mine[k] - v).abs().max().item() for k, v in entry.items()])
+        got[name] = worst
 
     train(0)
     if rank == 0:
-        compare("rank 0 alone, between steps", dm.state_dict())
+        compare("rank 0 alone, between steps")
     train(1)
-    compare("every rank", dm.state_dict())
+    compare("every rank")
+    # A new optimizer takes the unsplit one's state: each rank keeps its own parameters' part.
+    opts.append(smpart.DistributedOptimizer(torch.optim.Adam(dm.parameters(), lr=0.01)))
+    opts[-1].load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # as from a file: no shared tensors
     train(2)
     if rank == 0:
         time.sleep(1.0)  # the other ranks reach smpart.shutdown() first
-        compare("rank 0 alone, after the others shut down", dm.state_dict())
+        compare("rank 0 alone, after the others shut down, and after loading the unsplit optimizer's state")
     else:
         smpart.shutdown()  # the end of their script
     return got
 
 
 @pytest.mark.timeout(180)
-def test_state_dict_asked_by_the_first_rank_alone_or_by_every_rank():
+def test_model_and_optimizer_state_dicts_asked_by_the_first_rank_alone_or_by_every_rank():
     results = values(run_ranks(_state_dict_asked_by_one_rank, 3, timeout_s=170))
-    assert set(results[0]) == {"rank 0 alone, between steps", "every rank",
-                               "rank 0 alone, after the others shut down"}
+    assert len(results[0]) == 3
     assert set(results[1]) == set(results[2]) == {"every rank"}
     for got in results:
         for name, worst in got.items():
@@ -485,6 +496,8 @@ def _tensor_parallel(rank, name, pp=1, schedule="1f1b"):
     _assert_partition_says_what_was_split(model)
     full = model.state_dict()
     worst = max((full[k] - v).abs().max().item() for k, v in reference.named_parameters())
+    with pytest.raises(smpart.SmpartError, match="save_checkpoint"):  # its state is split in shards
+        opt.state_dict()
     return worst, max(abs(a - b) for a, b in norms), len(split)
 
 

@@ -286,22 +286,32 @@ class Leaving:
 
 @dataclass(slots=True)
 class StateRequest:
-    """Processes: rank ``rank`` asks for this rank's own entries of model ``model``'s state dict
-    (request ``request``). Answered by the main thread where the rank's parameters hold still:
-    inside the step function before the step begins, inside its own ``state_dict()``, and at
-    ``smpart.shutdown()``."""
+    """Processes: rank ``rank`` asks for this rank's part of a state dict (request ``request``):
+    ``kind`` "model" (the entries of ``DistributedModel`` #``target`` held here) or "optimizer"
+    (the state of ``DistributedOptimizer`` #``target`` for the parameters held here). Answered by
+    the main thread where the rank's parameters hold still: inside the step function before the
+    step begins, inside its own ``state_dict()``, and at ``smpart.shutdown()``."""
 
     rank: int
     request: int
-    model: int
+    kind: str
+    target: int
 
 
 @dataclass(slots=True)
 class StateReply:
-    """This rank's own state-dict entries (``entries``, CPU tensors) for ``StateRequest`` ``request``
-    (``error``: it could not give them)."""
+    """This rank's part (``part``) for ``StateRequest`` ``request`` (``error``: it could not give it)."""
 
     rank: int
     request: int
-    entries: dict[str, Any] | None = None
+    part: dict[Any, Any] | None = None
     error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class StateDone:
+    """Processes, to the driver's rank: rank ``rank``, which asked it for state since the last step,
+    is done asking and waits for step ``step`` (the driver's rank may begin it)."""
+
+    rank: int
+    step: int

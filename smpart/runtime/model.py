@@ -118,7 +118,9 @@ class DistributedModel:
         if getattr(runtime, "state_group", None) is None:  # threads, or not placed: every entry is here
             return self._own_state()
         if runtime.layout.tp == 1:
-            return runtime.gather_state(self)
+            merged = {k: v for part in runtime.gather_state("model", self.model_id, self._own_state())
+                      for k, v in part.items()}
+            return {k: merged[k] for k in self.module.state_dict(keep_vars=True) if k in merged}
         # Tensor-parallel shards are gathered whole by a collective over each stage's shards.
         local = {k: _full(v).detach().cpu() for k, v in self.local_state_dict().items()}
         group = runtime.state_group

@@ -8,11 +8,20 @@ share of the parameters (`zero`).
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Any
 
 import torch
 
 from smpart.errors import SmpartError
+
+_optimizer_ids = itertools.count()
+_optimizers: weakref.WeakValueDictionary[int, DistributedOptimizer] = weakref.WeakValueDictionary()
+
+
+def optimizer_by_id(optimizer_id: int) -> DistributedOptimizer | None:
+    return _optimizers.get(optimizer_id)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -37,6 +46,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               f"got {type(optimizer).__name__}")
         self.optimizer = optimizer
         self._sharded: Any = None  # zero.ShardedState, from the first step on when enabled
+        # Numbered in creation order, the same on every rank (SPMD): how a rank asks another for
+        # its part of the state dict.
+        self.optimizer_id = next(_optimizer_ids)
+        _optimizers[self.optimizer_id] = self
 
     def step(self, closure: Any = None) -> Any:
         self._adopt_replaced_parameters()
@@ -114,10 +127,57 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.optimizer.state
 
     def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        """The wrapped optimizer's state dict for the whole model: what the same optimizer over the
+        unsplit model would give, to load into it or into this one under any pipeline split.
+
+        Under ``torchrun`` each rank holds the state of its own stage's parameters; the other
+        stages' ranks send theirs (tensors on the CPU), as for `DistributedModel.state_dict`: call
+        it on every rank, or on the first rank alone. With tensor parallelism or sharded optimizer
+        state the state is split in ways a plain optimizer cannot load: save a checkpoint
+        (`smpart.save_checkpoint`), which loads into any layout; `local_state_dict` is this rank's."""
+        runtime = self._process_runtime()
+        if runtime is None:
+            return self.optimizer.state_dict()
+        if runtime.layout.tp > 1 or self._sharded is not None or (
+                runtime.config.shard_optimizer_state and runtime.layout.dp > 1):
+            raise SmpartError("with tensor parallelism or sharded optimizer state, the optimizer's state "
+                              "dict is split in ways a plain optimizer cannot load: use "
+                              "smpart.save_checkpoint(path, model, optimizer) (it loads into any layout), "
+                              "or local_state_dict() for this rank's part")
+        parts = runtime.gather_state("optimizer", self.optimizer_id, self.local_state_dict())
+        state = {index: entry for part in parts for index, entry in part["state"].items()}
+        groups = self.optimizer.state_dict()["param_groups"]
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict with the state of only the parameters this rank holds
+        (its stage's; under ``torchrun`` the others are on the meta device), every group."""
+        full = self.optimizer.state_dict()
+        held = self._held_indices()
+        return {"state": {i: entry for i, entry in full["state"].items() if i in held},
+                "param_groups": full["param_groups"]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        """Load a state dict of the whole model's optimizer (`state_dict`, or a plain optimizer's):
+        each rank takes the state of the parameters it holds."""
+        held = self._held_indices()
+        state = {i: entry for i, entry in state_dict["state"].items() if int(i) in held}
+        self.optimizer.load_state_dict({**state_dict, "state": state})
+
+    def _held_indices(self) -> set[int]:
+        """The state-dict indices (torch numbers the parameters group by group) of the parameters
+        held here, not released to the meta device."""
+        params = (p for group in self.optimizer.param_groups for p in group["params"])
+        return {i for i, p in enumerate(params) if not p.is_meta}
+
+    @staticmethod
+    def _process_runtime() -> Any:
+        """The running process runtime once it placed a model (this rank then holds a stage only)."""
+        from smpart.runtime.runtime import running_runtime
+
+        runtime = running_runtime()
+        placed = getattr(runtime, "setup", None) is not None and runtime.models
+        return runtime if placed else None
 
     def add_param_group(self, group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(group)

@@ -47,12 +47,12 @@ from smpart.runtime.messages import (
     Leaving,
     Placed,
     PlaceModel,
-    StateReply,
     StateRequest,
     StepResult,
 )
 from smpart.runtime.placement import place_on_rank, unplace
 from smpart.runtime.stage import POLL_S, StageServer
+from smpart.runtime.state_exchange import StateExchange
 from smpart.runtime.step_run import StepRun
 from smpart.runtime.transport import Transport
 
@@ -191,9 +191,10 @@ class ProcessRuntime:
         self.servers = [self.server]
         #: The group `DistributedModel.state_dict` gathers over under tensor parallelism (`gather_state`).
         self.state_group = self.setup.collective_group
-        self._state_requests = itertools.count()
-        #: Messages for the step function's wait that a wait for state-dict replies took (`gather_state`).
+        #: Messages for the step function's wait that a wait for state-dict replies took.
         self._deferred: list[Any] = []
+        self.states = StateExchange(self.rank, self.transport, config.timeout_s, self._deferred,
+                                    self._state_part)
         #: Whether `shutdown` answers the peers' state requests until they leave too (`_await_peers_leaving`).
         self.answer_at_shutdown = True
         self._reducer: GradientReducer | None = None
@@ -223,8 +224,10 @@ class ProcessRuntime:
             self.transport.step = step
             try:
                 if self.is_driver:
-                    self._answer_state_requests()  # its parameters hold still until the step begins
+                    self.states.before_step(step)  # its parameters hold still until the step begins
                     return self._drive(step, fn, pieces)
+                self.states.answer_waiting()  # before the stage may begin the step (`arm`)
+                self.states.done_asking(self.driver_place, step)
                 return self._follow(step)
             finally:
                 self.transport.step = None
@@ -262,9 +265,12 @@ class ProcessRuntime:
         while time.monotonic() - max(started, self.server.last_activity) < timeout_s:
             message = self._deferred.pop(0) if self._deferred else self.transport.receive(main, POLL_S)
             if isinstance(message, StateRequest):
-                # A rank asking is not in this step: until the step begins, this rank's parameters
-                # hold still (if it began without the asking rank, it fails anyway).
-                self._answer_state(message)
+                # Until the step begins here (the driver's rank asking before it begins it), this
+                # rank's parameters hold still; after, they do once the optimizer has stepped.
+                if self.server.begun < step:
+                    self.states.answer(message)
+                else:
+                    self.states.keep(message)
             elif isinstance(message, PlaceModel):
                 self._place_here(message)
             elif isinstance(message, StepResult):
@@ -278,69 +284,28 @@ class ProcessRuntime:
                             "to end (a hang on another rank?)", rank=self.rank)
 
     # ================================================================ the state dict
-    def gather_state(self, model: DistributedModel) -> dict[str, torch.Tensor]:
-        """Every entry of ``model``'s state dict, on the CPU: this rank's own, and those of the other
-        stages of its replica, asked of their ranks.
+    def gather_state(self, kind: str, target: int, own: dict[Any, Any]) -> list[dict[Any, Any]]:
+        """The parts of a state dict held by the stages of this rank's replica, in stage order
+        (`state_exchange`): ``kind`` "model" or "optimizer", of the one numbered ``target``."""
+        places = [self.place_of_stage(stage) for stage in range(self.num_stages)]
+        return self.states.gather(places, kind, target, own)
 
-        One-sided: a rank answers where its parameters hold still (waiting for a step to begin, in its
-        own ``state_dict()``, at ``smpart.shutdown()``), so ``if smpart.rank() == 0:
-        torch.save(model.state_dict(), ...)`` works, and so does every rank calling it."""
-        request = next(self._state_requests)
-        others = {self.place_of_stage(stage) for stage in range(self.num_stages)} - {self.rank}
-        self._raise_if_gone(others)
-        for peer in sorted(others):
-            self.transport.send(self.rank, (peer, MAIN), StateRequest(self.rank, request, model.model_id))
-        parts = {self.rank: model._own_state()}
-        deadline = time.monotonic() + self.config.timeout_s
-        while missing := sorted(others - parts.keys()):
-            message = self.transport.receive((self.rank, MAIN), POLL_S)
-            if isinstance(message, StateReply):
-                if message.request == request:  # not one a wait that gave up left behind
-                    if message.error is not None:
-                        raise message.error
-                    parts[message.rank] = message.entries
-            elif isinstance(message, StateRequest):
-                self._answer_state(message)
-            elif message is not None:
-                self._deferred.append(message)  # a `PlaceModel` or `StepResult`: the step's wait takes it
-            self._raise_if_gone(set(missing))
-            if time.monotonic() > deadline:
-                raise SmpartError(f"rank(s) {missing} did not send their part of the state dict within "
-                                  f"{self.config.timeout_s} s. A rank answers inside the step function, "
-                                  "model.state_dict() or smpart.shutdown(): does every rank reach one?")
-        merged = {k: v for part in parts.values() for k, v in part.items()}
-        return {k: merged[k] for k in model.module.state_dict(keep_vars=True) if k in merged}
-
-    def _raise_if_gone(self, peers: set[int]) -> None:
-        """Raise if one of ``peers`` cannot answer any more: `PeerLost` if it was lost, else (it shut
-        smpart down) an `SmpartError` saying so."""
-        self.transport.check()
-        gone = sorted(peers & self.transport.inner.unreachable())
-        if gone:
-            raise SmpartError(f"rank(s) {gone} shut smpart down before sending their part of the state dict "
-                              "(only they hold their stages' weights): call model.state_dict() before "
-                              "smpart.shutdown() on every rank")
-
-    def _answer_state_requests(self) -> None:
-        """Answer the requests for this rank's state-dict entries that wait on its main address."""
-        while (message := self.transport.receive((self.rank, MAIN), 0)) is not None:
-            if isinstance(message, StateRequest):
-                self._answer_state(message)
-            elif not isinstance(message, StateReply):  # a reply is one a wait that gave up left behind
-                self._deferred.append(message)
-
-    def _answer_state(self, message: StateRequest) -> None:
+    def _state_part(self, kind: str, target: int) -> dict[Any, Any]:
+        """This rank's part of the state dict of model or optimizer #``target``."""
         from smpart.runtime.model import model_by_id
+        from smpart.runtime.optimizer import optimizer_by_id
 
-        model = model_by_id(message.model)
-        reply = StateReply(self.rank, message.request)
-        if model is None or model._runtime is not self:
-            reply.error = SmpartError(f"rank {self.rank} has not placed DistributedModel #{message.model}: "
-                                      "every rank must create the same DistributedModels in the same order")
-        else:
-            reply.entries = model._own_state()
-        with contextlib.suppress(SmpartError):  # the asking rank is gone: nobody waits for the answer
-            self.transport.send(self.rank, (message.rank, MAIN), reply)
+        if kind == "model":
+            model = model_by_id(target)
+            if model is None or model._runtime is not self:
+                raise SmpartError(f"rank {self.rank} has not placed DistributedModel #{target}: every rank "
+                                  "must create the same DistributedModels in the same order")
+            return model._own_state()
+        optimizer = optimizer_by_id(target)
+        if optimizer is None:
+            raise SmpartError(f"rank {self.rank} has no DistributedOptimizer #{target}: every rank must "
+                              "create the same DistributedOptimizers in the same order")
+        return optimizer.local_state_dict()
 
     # ================================================================ data parallelism
     def _begin_gradient_sync(self) -> None:
@@ -497,15 +462,12 @@ class ProcessRuntime:
         a peer busy elsewhere for longer is not waited for."""
         deadline = time.monotonic() + self.config.timeout_s
         peers = set(self.transport.inner.peers)
-        while peers - self.transport.left.keys() - self.transport.inner.unreachable():
-            if time.monotonic() > deadline:
-                return
-            try:
-                message = self.transport.receive((self.rank, MAIN), POLL_S)
-            except SmpartError:
-                return  # a peer was lost: the job is failing, and no answer is waited for any more
-            if isinstance(message, StateRequest):
-                self._answer_state(message)
+        with contextlib.suppress(SmpartError):  # a peer was lost: the job is failing, nobody waits
+            self.states.answer_kept()
+            while peers - self.transport.left.keys() - self.transport.inner.unreachable():
+                if time.monotonic() > deadline:
+                    return
+                self.states.take(POLL_S)
 
     def shutdown(self, timeout_s: float = 10.0) -> list[str]:
         self.transport.say_leaving(self.steps_taken)

@@ -319,7 +319,8 @@ class StageServer:
         #: step body must not begin a step while its main thread still runs the optimizer of the
         #: previous one (`arm`). Threads and the driver's rank: no limit.
         self.armed = math.inf if rank is None else -1
-        self._last_step = -1
+        #: The last step that began here (its `BeginStep` handled).
+        self.begun = -1
         #: When the dispatcher last received a message (a rank waiting for a step to end uses it to
         #: tell a long step from a hung one).
         self.last_activity = time.monotonic()
@@ -381,7 +382,7 @@ class StageServer:
     def _admit(self, message: Any) -> None:
         """Handle ``message`` now, or keep it until its step begins here (a `Batch` whole)."""
         step = message.step
-        current = self.run.step if self.run is not None else self._last_step
+        current = self.run.step if self.run is not None else self.begun
         if step > current and not (isinstance(message, BeginStep) and step <= self.armed):
             self._early[step].append(message)
             return
@@ -423,7 +424,7 @@ class StageServer:
 
     def _on_begin(self, message: BeginStep) -> None:
         self._abort_running()
-        self._last_step = message.step
+        self.begun = message.step
         self.run = StageStep(message, self.stage, self.num_stages, self.tp_follower)
         self.run.bytes_before = dict(self.transport.bytes_sent)
 

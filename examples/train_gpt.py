@@ -8,7 +8,8 @@
 
 Each sequence counts up from a random token (mod the vocabulary), so there is something to learn
 and the loss falls (on random tokens it would stay at log(vocab)). Prints the loss every few steps
-(on the first rank) and the final loss as ``final loss <value>``.
+(on the first rank) and the final loss as ``final loss <value>``; ``--save PATH`` saves the
+model's and the optimizer's state dicts from the first rank, as a plain script would.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "simple", "interleaved"])
+    parser.add_argument("--save", metavar="PATH", help="at the end, save the model's and the optimizer's "
+                        "state dicts there (the unsplit model and its optimizer load them)")
     args = parser.parse_args()
 
     torch.manual_seed(0)  # every rank builds the same weights and draws the same batches
@@ -67,6 +70,8 @@ def main() -> None:
             print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
     if smpart.rank() == 0:
         print(f"final loss {loss.item():.6f}", flush=True)
+        if args.save:  # the other ranks send their stages' parts; their scripts need not wait here
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, args.save)
     smpart.shutdown()
 
 

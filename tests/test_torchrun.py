@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from examples.models import gpt2
 from tests.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,14 +40,22 @@ def _final_loss(command: list[str]) -> float:
 
 
 @pytest.mark.timeout(300)
-def test_the_example_script_learns_alike_on_threads_and_under_torchrun():
-    first, threads = _run([sys.executable, *SCRIPT, "--stages", "2"])
+def test_the_example_script_learns_alike_on_threads_and_under_torchrun(tmp_path):
+    first, threads = _run([sys.executable, *SCRIPT, "--stages", "2", "--save", str(tmp_path / "threads.pt")])
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", str(free_port()), *SCRIPT]
+                "--master-port", str(free_port()), *SCRIPT, "--save", str(tmp_path / "torchrun.pt")]
     processes = _final_loss(torchrun)
     assert abs(threads - processes) <= 1e-5, (threads, processes)
     # Its sequences count up: 8 steps take the loss from log(64) = 4.16 to about 3.86.
     assert threads < first - 0.2, (first, threads)
+    # What the first rank saved under torchrun is what the threads saved, and loads unsplit.
+    saved, expected = torch.load(tmp_path / "torchrun.pt"), torch.load(tmp_path / "threads.pt")
+    for key, value in expected["model"].items():
+        assert torch.allclose(saved["model"][key], value, atol=1e-5), key
+    assert saved["optimizer"]["state"].keys() == expected["optimizer"]["state"].keys()
+    model = gpt2().model
+    model.load_state_dict(saved["model"])
+    torch.optim.AdamW(model.parameters(), lr=3e-3).load_state_dict(saved["optimizer"])
 
 
 def _torchrun_node(node: int, port: str) -> subprocess.Popen:

@@ -109,7 +109,7 @@ class StateExchange:
         gone = sorted(peers & self.transport.inner.unreachable())
         if gone:
             raise SmpartError(f"rank(s) {gone} shut smpart down before sending their part of the state dict "
-                              "(only they hold their stages' weights): call model.state_dict() before "
+                              "(only they hold their stages' weights): call state_dict() before "
                               "smpart.shutdown() on every rank")
 
     # ================================================================ answering

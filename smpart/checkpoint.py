@@ -38,6 +38,7 @@ each rank reads only the tensors it holds (and, for a DTensor, only its shard's 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import pickle
@@ -160,6 +161,7 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     rank, world = _rank(), _world(process_group)
     layout = _layout(model)
     optim = _optimizer(optimizer)
+    _every_rank_calls("save_checkpoint", process_group)
     if rank == 0:
         _prepare_directory(path)
     _barrier(process_group)
@@ -288,6 +290,7 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
                           _aliases(ranks))
         model._after_placement.append(lambda: _load_tensors(path, model, optimizer, process_group, ranks))
     else:
+        _every_rank_calls("load_checkpoint", process_group)
         _load_tensors(path, model, optimizer, process_group, ranks)
     if restore_rng:
         _restore_rng(ranks, _rank(), len(ranks))
@@ -841,6 +844,25 @@ def _world(group: Any = None) -> int:
 def _barrier(group: Any = None) -> None:
     if _distributed():
         dist.barrier(group)
+
+
+def _every_rank_calls(what: str, group: Any) -> None:
+    """Wait until every rank has called ``what``, under smpart's processes at most its ``timeout_s``,
+    naming the ranks that did not come: a collective that one rank skips (``if smpart.rank() == 0:``)
+    would wait for its group's timeout, half an hour, and fail without saying why."""
+    from smpart.runtime.runtime import running_runtime
+
+    runtime = running_runtime()
+    setup = getattr(runtime, "setup", None)
+    if group is not None or setup is None or not _distributed():
+        return
+    timeout = datetime.timedelta(seconds=runtime.config.timeout_s)
+    try:
+        dist.monitored_barrier(setup.collective_group, timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as err:
+        raise CheckpointError(f"{what} is collective: every rank must call it ({_gist(err)}). To save "
+                              "from one rank, write model.state_dict() and optimizer.state_dict() there "
+                              "(the other ranks send their parts)") from err
 
 
 def _gist(err: BaseException) -> str:

@@ -144,27 +144,33 @@ def test_the_state_dict_asked_of_a_rank_gone_is_a_clear_error(how):
     assert waited < 30
 
 
-def _checkpoint_saved_by_one_rank(rank, directory):
-    smpart.init(pipeline_parallel_degree=2, microbatches=2, pin=PINS, timeout_s=5)
+def _collective_called_by_one_rank(rank, which, directory):
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, pin=PINS, timeout_s=4)
     torch.manual_seed(0)
     dm = smpart.DistributedModel(Chain())
     _step(dm, torch.randn(4, 4, dtype=torch.float64))
     if rank != 0:
-        time.sleep(8)  # somewhere else: a checkpoint saved under `if smpart.rank() == 0:`
+        time.sleep(7)  # somewhere else, while rank 0 runs what is under `if smpart.rank() == 0:`
         return None
+    collective = {"save_checkpoint": lambda: smpart.save_checkpoint(directory, dm),
+                  "barrier": smpart.barrier}[which]
     start = time.monotonic()
     try:
-        smpart.save_checkpoint(directory, dm)
-    except smpart.CheckpointError as err:
+        collective()
+    except smpart.SmpartError as err:
         return str(err), time.monotonic() - start
     return "no error", time.monotonic() - start
 
 
 @pytest.mark.timeout(120)
-def test_a_checkpoint_saved_by_one_rank_alone_is_a_clear_error(tmp_path):
-    results = run_ranks(_checkpoint_saved_by_one_rank, 2, str(tmp_path / "ckpt"), timeout_s=110)
+@pytest.mark.parametrize("which", ["save_checkpoint", "barrier"])
+def test_a_collective_called_by_one_rank_alone_is_a_clear_error(which, tmp_path):
+    results = run_ranks(_collective_called_by_one_rank, 2, which, str(tmp_path / "ckpt"), timeout_s=110)
     text, waited = results[0].value
-    assert "save_checkpoint is collective" in text and "1" in text and "state_dict()" in text, text
+    expected = {"save_checkpoint": "save_checkpoint is collective", "barrier": "smpart.barrier(): not every"}
+    assert expected[which] in text and "Ranks 1" in text, text
+    if which == "save_checkpoint":
+        assert "state_dict()" in text, text  # what to do instead
     assert waited < 30
 
 

@@ -7,10 +7,12 @@ Under ``torchrun`` the answers come from the running configuration's layout of r
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch.distributed as dist
 
+from smpart.errors import SmpartError
 from smpart.runtime.runtime import running_runtime
 
 
@@ -72,11 +74,19 @@ def tp_size() -> int:
 
 
 def barrier() -> None:
-    """Wait until every rank gets here (a no-op on threads)."""
+    """Wait until every rank gets here (a no-op on threads): at most ``Config.timeout_s``, then an
+    `SmpartError` naming the ranks that did not come."""
     runtime = running_runtime()
     group = getattr(runtime, "state_group", None)
-    if group is not None:
-        dist.barrier(group=group)
+    if group is None:
+        return
+    try:
+        dist.monitored_barrier(group, timeout=datetime.timedelta(seconds=runtime.config.timeout_s),
+                               wait_all_ranks=True)
+    except RuntimeError as err:
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise SmpartError(f"smpart.barrier(): not every rank came within {runtime.config.timeout_s} s "
+                          f"({first}); raise Config.timeout_s if one rank is busy for longer") from err
 
 
 def _setup():

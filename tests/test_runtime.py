@@ -314,6 +314,58 @@ def test_the_wrappers_refuse_what_they_cannot_wrap():
             wrap(wrong)
 
 
+def _activation(x):
+    return torch.tanh(x) * 2
+
+
+class _CompiledInside(torch.nn.Module):
+    def __init__(self, activation):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.activation = activation
+
+    def forward(self, x):
+        return self.activation(self.linear(x))
+
+
+@pytest.mark.timeout(120)
+def test_compiled_models_are_refused_and_compiled_code_inside_a_module_runs():
+    """smpart routes module calls between stages in Python: a torch.compile'd model or a module
+    compiled with Module.compile() would contain that routing, which dynamo cannot trace (it failed
+    deep inside it). A compiled function a module's forward calls runs on its stage."""
+    with pytest.raises(smpart.SmpartError, match="torch.compile'd model.*_orig_mod"):
+        smpart.DistributedModel(torch.compile(torch.nn.Linear(2, 2)))
+    blocks = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    blocks[1].compile()
+    with pytest.raises(smpart.SmpartError, match="compiled with Module.compile\\(\\): 1"):
+        smpart.DistributedModel(blocks)
+
+    # Compiled here, not at import: other test modules import this one (and their ranks would import dynamo).
+    activation = torch.compile(_activation, backend="eager")  # dynamo's tracing, not inductor's compile time
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), _CompiledInside(activation),
+                                 _CompiledInside(activation), torch.nn.Linear(8, 2))
+    reference = copy.deepcopy(module)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2)
+    try:
+        model = smpart.DistributedModel(module)
+        x = torch.randn(4, 4)
+        out = _sum_step(model, x)
+        (reference(x).sum() / 2).backward()  # smpart averages the micro-batches' gradients
+        assert torch.allclose(out.stack().sum(), reference(x).sum(), atol=1e-5)
+        for mine, theirs in zip(module.parameters(), reference.parameters(), strict=True):
+            assert torch.allclose(mine.grad, theirs.grad, atol=1e-5)
+    finally:
+        smpart.shutdown()
+
+
+@smpart.step
+def _sum_step(model, x):
+    out = model(x).sum()
+    model.backward(out)
+    return out
+
+
 @pytest.mark.timeout(60)
 def test_casting_a_distributed_model_returns_it_and_moving_a_placed_one_is_refused():
     """``model = model.double()`` keeps the wrapper (the module's own method returns the module,

@@ -8,6 +8,7 @@ its first call inside a step; calls made outside a step run the model inline lik
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -36,6 +37,7 @@ class DistributedModel:
             raise SmpartError("this model is already a DistributedModel")
         if not isinstance(module, nn.Module):
             raise SmpartError(f"DistributedModel wraps a torch.nn.Module, got {type(module).__name__}")
+        _refuse_compiled(module)
         self.module = module
         #: Models are numbered in creation order: every rank builds them in the same order.
         self.model_id = next(_model_ids)
@@ -209,6 +211,23 @@ class DistributedModel:
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor-parallel shard gathered whole (collective over its tensor-parallel group)."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _refuse_compiled(module: nn.Module) -> None:
+    """smpart routes module calls between stages in Python; code ``torch.compile`` made of a module
+    would contain that routing, which it cannot trace (it fails deep inside dynamo)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        raise SmpartError("DistributedModel got a torch.compile'd model: smpart calls its modules across "
+                          "stages from Python, which compiled code cannot contain. Pass the uncompiled "
+                          "model (the compiled one's ._orig_mod)")
+    compiled = [name or "the model" for name, m in module.named_modules()
+                if getattr(m, "_compiled_call_impl", None) is not None]
+    if compiled:
+        raise SmpartError(f"modules compiled with Module.compile(): {', '.join(compiled[:5])}"
+                          f"{' ...' if len(compiled) > 5 else ''}. smpart calls modules across stages from "
+                          "Python, which compiled code cannot contain: compile inside a module's forward "
+                          "instead (a torch.compile'd function it calls), or leave them uncompiled")
 
 
 def _has_meta_weights(module: nn.Module) -> bool:

@@ -192,6 +192,50 @@ def test_model_and_optimizer_state_dicts_asked_by_the_first_rank_alone_or_by_eve
             assert worst <= TOL, (name, worst)
 
 
+class _DropoutLast(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(4, 8)
+        self.last = torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+
+    def forward(self, x):
+        return self.last(torch.tanh(self.first(x)))
+
+
+@smpart.step
+def _predict(model, x):
+    return model(x)
+
+
+def _eval_on_the_first_rank_alone(rank):
+    """``if smpart.rank() == 0: model.eval()``: the other stages' ranks take the driver's modes as
+    each step begins (their Dropout was still on)."""
+    torch.manual_seed(0)
+    module = _DropoutLast().double()
+    reference = copy.deepcopy(module).eval()
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, pin={"": 0, "first": 0, "last": 1}, timeout_s=60)
+    dm = smpart.DistributedModel(module)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    _predict(dm, x)  # placed, in training mode: the Dropout on stage 1 is on
+    if rank == 0:
+        dm.eval()
+    with torch.no_grad():
+        evaluated = (_predict(dm, x).concat() - reference(x)).abs().max().item()
+    dropout_training = [module.last[0].training]
+    if rank == 0:
+        dm.train()
+    _predict(dm, x)
+    dropout_training.append(module.last[0].training)
+    return evaluated, dropout_training
+
+
+@pytest.mark.timeout(120)
+def test_eval_mode_set_on_the_first_rank_alone_holds_on_every_stage():
+    for evaluated, dropout_training in values(run_ranks(_eval_on_the_first_rank_alone, 2, timeout_s=110)):
+        assert evaluated <= 1e-12
+        assert dropout_training == [False, True]
+
+
 # ---------------------------------------------------------------------------- SMPART_DEBUG
 @smpart.step
 def _mse_step(model, x, y):

@@ -171,6 +171,9 @@ class BeginStep:
     handles: bool = False
     #: Stages promise calls whose answers they can predict (`Config.promised_calls`).
     promises: bool = False
+    #: Processes: model id -> the ``training`` flag of each of its modules (``modules()`` order) on
+    #: the driver's rank, which the other ranks take (``model.eval()`` called there alone holds).
+    modes: dict[int, bytes] | None = None
 
 
 @dataclass(slots=True)

@@ -201,6 +201,8 @@ class ProcessRuntime:
         self._reducer_lock = threading.Lock()
         if layout.dp > 1:
             self.server.on_gradients_final = self._start_gradient_sync
+        if not self.is_driver:
+            self.server.on_begin = self._take_training_modes
         self.steps_taken = 0  # the next step's number; what `Leaving` tells the peers
         self.models: dict[int, DistributedModel] = {}
         self.resident_bytes: dict[int, int] = {}
@@ -306,6 +308,22 @@ class ProcessRuntime:
             raise SmpartError(f"rank {self.rank} has no DistributedOptimizer #{target}: every rank must "
                               "create the same DistributedOptimizers in the same order")
         return optimizer.local_state_dict()
+
+    # ================================================================ train / eval
+    def training_modes(self) -> dict[int, bytes]:
+        """The ``training`` flag of every module of every placed model, as the step body sees them."""
+        return {model_id: bytes(m.training for m in model.module.modules())
+                for model_id, model in self.models.items()}
+
+    def _take_training_modes(self, begin: Any) -> None:
+        """A step begins: this rank's modules take the driver's rank's training modes, so that
+        ``model.eval()`` called there alone (inside ``if smpart.rank() == 0:``) holds for every stage."""
+        for model_id, modes in (begin.modes or {}).items():
+            model = self.models.get(model_id)
+            modules = list(model.module.modules()) if model is not None else []
+            if len(modules) == len(modes):
+                for module, training in zip(modules, modes, strict=True):
+                    module.training = bool(training)
 
     # ================================================================ data parallelism
     def _begin_gradient_sync(self) -> None:

@@ -75,6 +75,10 @@ class Runtime:
             finally:
                 _in_step.active = False
 
+    def training_modes(self) -> dict[int, bytes] | None:
+        """Threads: every stage's modules are the ones the step body sees; nothing to send."""
+        return None
+
     def ensure_placed(self, model: DistributedModel, args: tuple, kwargs: dict) -> None:
         """Partition and place ``model`` on its first call (micro-batch 0 of its first step)."""
         if model._runtime is self:

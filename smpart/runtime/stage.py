@@ -327,6 +327,9 @@ class StageServer:
         #: Called by the dispatcher once every micro-batch of a step is released here (the
         #: stage's gradients are final): data parallelism starts averaging them then.
         self.on_gradients_final: Callable[[int], None] | None = None
+        #: Called by the dispatcher as a step begins here, before any of its work (processes: the
+        #: driver's modules' training modes).
+        self.on_begin: Callable[[BeginStep], None] | None = None
         self._stopping = False
         #: While the dispatcher admits a `Batch`: its calls, to start once all are admitted.
         self._starting: list[Callable[[], None]] | None = None
@@ -424,6 +427,8 @@ class StageServer:
 
     def _on_begin(self, message: BeginStep) -> None:
         self._abort_running()
+        if self.on_begin is not None:
+            self.on_begin(message)
         self.begun = message.step
         self.run = StageStep(message, self.stage, self.num_stages, self.tp_follower)
         self.run.bytes_before = dict(self.transport.bytes_sent)

@@ -89,7 +89,8 @@ class StepRun:
         self.transport.open(self.address)
         start = time.time()
         self.broadcast(BeginStep(self.step, self.microbatches, self.schedule, self.active_microbatches,
-                                 self.timeout_s, self.address, self.handles, self.promises))
+                                 self.timeout_s, self.address, self.handles, self.promises,
+                                 self.runtime.training_modes()))
         threads: list[threading.Thread] = []
         results: list[Any] = [None] * self.microbatches
         failures: list[BaseException] = []

@@ -192,6 +192,46 @@ def test_model_and_optimizer_state_dicts_asked_by_the_first_rank_alone_or_by_eve
             assert worst <= TOL, (name, worst)
 
 
+def _resumed_before_the_first_step(rank):
+    """A resumed job loads the model's and the optimizer's full state dicts before its first step:
+    it trains on like the unsplit model, and each rank keeps only its own stage's optimizer state."""
+    def data(seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 1, generator=g,
+                                                                                dtype=torch.float64)
+
+    torch.manual_seed(0)
+    reference = _ThreeBlocks().double()
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    for seed in range(2):
+        x, y = data(seed)
+        if seed == 1:  # as saved to a file after the first step
+            saved = copy.deepcopy({"model": reference.state_dict(), "optimizer": ref_opt.state_dict()})
+        (sum(F.mse_loss(reference(a), b) for a, b in zip(x.chunk(2), y.chunk(2), strict=True)) / 2).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, pin={"": 0, "a": 0, "b": 1, "c": 1}, timeout_s=60)
+    torch.manual_seed(rank)  # weights that the load replaces
+    dm = smpart.DistributedModel(_ThreeBlocks().double())
+    opt = smpart.DistributedOptimizer(torch.optim.Adam(dm.parameters(), lr=0.01))
+    dm.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    _mse_step(dm, *data(1))
+    opt.step()
+    full = dm.state_dict()
+    worst = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    return worst, sum(p.is_meta for p in opt.optimizer.state), len(opt.optimizer.state)
+
+
+@pytest.mark.timeout(120)
+def test_a_job_resumed_before_its_first_step_keeps_only_its_stages_optimizer_state():
+    (worst0, released0, kept0), (worst1, released1, kept1) = values(
+        run_ranks(_resumed_before_the_first_step, 2, timeout_s=110))
+    assert max(worst0, worst1) <= TOL
+    assert released0 == released1 == 0  # the state of the other stage's parameters was dropped
+    assert kept0 + kept1 == len(list(_ThreeBlocks().parameters()))
+
+
 class _DropoutLast(torch.nn.Module):
     def __init__(self):
         super().__init__()

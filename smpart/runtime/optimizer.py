@@ -50,9 +50,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # its part of the state dict.
         self.optimizer_id = next(_optimizer_ids)
         _optimizers[self.optimizer_id] = self
+        self._loaded_before_placement = False  # state for every stage, until a step drops the others'
 
     def step(self, closure: Any = None) -> Any:
         self._adopt_replaced_parameters()
+        self._drop_released_state()
         sharded = self._sharded_state()
         result = self.optimizer.step(closure)
         if sharded is not None:
@@ -163,6 +165,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         held = self._held_indices()
         state = {i: entry for i, entry in state_dict["state"].items() if int(i) in held}
         self.optimizer.load_state_dict({**state_dict, "state": state})
+        self._loaded_before_placement = self._process_runtime() is None
+
+    def _drop_released_state(self) -> None:
+        """A state dict loaded before the model's placement (a resumed job) gave this rank the state
+        of every stage's parameters; once the others' are released to the meta device, so is theirs."""
+        if self._loaded_before_placement and self._process_runtime() is not None:
+            self._loaded_before_placement = False
+            for param in [p for p in self.optimizer.state if p.is_meta]:
+                del self.optimizer.state[param]
 
     def _held_indices(self) -> set[int]:
         """The state-dict indices (torch numbers the parameters group by group) of the parameters

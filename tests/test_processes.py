@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import re
 import time
@@ -459,6 +460,64 @@ def test_a_model_built_on_meta_is_materialised_per_rank_and_evaluates():
 
 
 # ---------------------------------------------------------------------------- data parallelism
+class _NoReset(torch.nn.Module):
+    """Its own parameter, and no reset_parameters(): nothing can initialise it from meta."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def _meta_built_as_hugging_face_and_plainly(rank):
+    """Built on meta, a Hugging Face model is initialised by its own scheme on each rank (its Conv1D
+    has no reset_parameters: it held uninitialised memory, and the loss was NaN); a plain module with
+    no way to initialise it is said to hold uninitialised memory."""
+    import warnings
+
+    import transformers
+
+    config = transformers.GPT2Config(n_embd=32, n_layer=4, n_head=2, vocab_size=64, n_positions=32)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60)
+    with torch.device("meta"):
+        hugging_face = smpart.DistributedModel(transformers.GPT2LMHeadModel(config))
+        plain = smpart.DistributedModel(torch.nn.Sequential(torch.nn.Linear(8, 8), _NoReset(),
+                                                            torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)))
+
+    @smpart.step
+    def loss_of(model, ids):
+        return model(input_ids=ids, labels=ids).loss
+
+    @smpart.step
+    def run(model, x):
+        return model(x)
+
+    ids = torch.randint(64, (4, 16), generator=torch.Generator().manual_seed(0))
+    loss = loss_of(hugging_face, ids).reduce_mean().item()
+    weights = [p for n, p in hugging_face.named_parameters() if not p.is_meta and n.endswith("c_fc.weight")]
+    std = torch.cat([w.flatten() for w in weights]).std().item()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(plain, torch.randn(4, 8))
+    said = [str(w.message) for w in caught if "uninitialised memory" in str(w.message)]
+    holds_no_reset = not plain.module[1].scale.is_meta
+    return loss, std, said, holds_no_reset
+
+
+@pytest.mark.timeout(120)
+def test_a_model_built_on_meta_is_initialised_by_its_own_scheme_or_said_to_be_blank():
+    results = values(run_ranks(_meta_built_as_hugging_face_and_plainly, 2, timeout_s=110))
+    for loss, std, said, holds_no_reset in results:
+        assert abs(loss - math.log(64)) < 0.1, loss  # a uniform guess from small random weights
+        assert 0.01 < std < 0.03, std  # GPT-2's initializer_range, 0.02
+        assert bool(said) == holds_no_reset, said  # said on the rank that holds it, only there
+        if said:
+            assert "1" in said[0] and "reset_parameters" in said[0]
+    assert sum(holds for *_, holds in results) == 1
+
+
 def _data_parallel(rank, pp, name, schedule):
     """pp x dp=2: each replica steps on its half of the global batch; the result equals the unsplit
     model trained on the whole batch with the mean loss."""

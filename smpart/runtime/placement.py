@@ -107,10 +107,12 @@ def place(model: nn.Module, model_id: int, partition: Partition, servers: list[S
         server.modules[(model_id, name)] = module
 
 
-def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server: StageServer) -> int:
+def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server: StageServer,
+                  loading: bool = False) -> int:
     """Processes: route every module's calls to its stage; keep this rank's modules (materialised on
-    its device if they were built on the meta device) and release every other stage's tensors to the
-    meta device, so a rank holds only its own stage. Returns the parameter bytes kept here."""
+    its device and initialised if they were built on the meta device; ``loading``: weights will be
+    loaded into them) and release every other stage's tensors to the meta device, so a rank holds
+    only its own stage. Returns the parameter bytes kept here."""
     stages = module_stages(model, partition)
     mine = {name for name, stage in stages.items() if stage == server.stage}
     _owners.clear()
@@ -120,10 +122,15 @@ def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server:
                 _owners.setdefault(id(param), []).append(owner)
     kept = 0
     seen: set[int] = set()
+    fresh: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():  # own modules first: a tied weight is kept, not released
         if name in mine:
-            kept += _materialise_own_tensors(module, server.device, seen)
+            size, materialised = _materialise_own_tensors(module, server.device, seen)
+            kept += size
+            if materialised:
+                fresh.append((name, module))
             server.modules[(model_id, name)] = module
+    _initialise(model, fresh, loading)
     for name, module in model.named_modules():
         if name not in mine:
             _release_own_tensors(module, seen)
@@ -160,8 +167,9 @@ def _swap_in(module: nn.Module, name: str, param: nn.Parameter, new: nn.Paramete
 _owners: dict[int, list[nn.Module]] = {}
 
 
-def _materialise_own_tensors(module: nn.Module, device: torch.device, seen: set[int]) -> int:
-    """Move (or, from meta, allocate and re-initialise) a module's own tensors on ``device``."""
+def _materialise_own_tensors(module: nn.Module, device: torch.device, seen: set[int]) -> tuple[int, bool]:
+    """Move (or, from meta, allocate) a module's own tensors on ``device``: their bytes, and whether
+    any came from the meta device (uninitialised until `_initialise`)."""
     size = 0
     fresh = False
     for name, param in list(module._parameters.items()):
@@ -180,10 +188,32 @@ def _materialise_own_tensors(module: nn.Module, device: torch.device, seen: set[
             fresh |= buffer.device.type == "meta"
             module._buffers[key] = (torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
                                     if buffer.device.type == "meta" else buffer.to(device))
-    if fresh and hasattr(module, "reset_parameters"):
-        with torch.no_grad():
-            module.reset_parameters()
-    return size
+    return size, fresh
+
+
+def _initialise(model: nn.Module, fresh: list[tuple[str, nn.Module]], loading: bool) -> None:
+    """Give the modules materialised from the meta device their first values, children before their
+    parents (as ``nn.Module.apply``): a Hugging Face model's own scheme (``_init_weights``, which its
+    constructor applies, buffers such as rotary frequencies included), else each module's
+    ``reset_parameters()``. A module with neither keeps uninitialised memory: said, unless weights
+    are to be loaded."""
+    hugging_face_init = getattr(model, "_init_weights", None)
+    blank = []
+    with torch.no_grad():
+        for name, module in reversed(fresh):
+            reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+            if callable(hugging_face_init):
+                hugging_face_init(module)
+            elif callable(reset):  # torch's MultiheadAttention has only the private one
+                reset()
+            else:
+                blank.append(name or type(model).__name__)
+    if blank and not loading:
+        warnings.warn(f"smpart: {len(blank)} module(s) built on the meta device have no reset_parameters() "
+                      f"({', '.join(sorted(blank)[:5])}{' ...' if len(blank) > 5 else ''}): their tensors on "
+                      "this rank hold uninitialised memory. Load weights (smpart.load_checkpoint before the "
+                      "first step, or smpart.load_weights), or give those modules a reset_parameters()",
+                      stacklevel=2)
 
 
 def _release_own_tensors(module: nn.Module, seen: set[int]) -> None:

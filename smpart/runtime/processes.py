@@ -449,7 +449,8 @@ class ProcessRuntime:
         if self.layout.tp > 1:
             self._split_for_tensor_parallelism(model)
             partition = _as_split(partition, model.tensor_parallel_plan)
-        kept = place_on_rank(model.module, model.model_id, partition, self.server)
+        kept = place_on_rank(model.module, model.model_id, partition, self.server,
+                             loading=bool(model._after_placement))
         self.resident_bytes[model.model_id] = kept
         model._partition = partition
         model._runtime = self

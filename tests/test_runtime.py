@@ -314,6 +314,40 @@ def test_the_wrappers_refuse_what_they_cannot_wrap():
             wrap(wrong)
 
 
+@pytest.mark.timeout(120)
+def test_a_model_built_on_meta_is_materialised_on_threads_too():
+    """The same script as under torchrun: each stage's modules are made on its device and
+    initialised (a Hugging Face model by its own scheme); an optimizer made before then steps them.
+    It failed with "Cannot copy out of meta tensor"."""
+    import math
+
+    import transformers
+
+    config = transformers.GPT2Config(n_embd=32, n_layer=4, n_head=2, vocab_size=64, n_positions=32)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2)
+    try:
+        with torch.device("meta"):
+            model = smpart.DistributedModel(transformers.GPT2LMHeadModel(config))
+        opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+        @smpart.step
+        def train(model, ids):
+            loss = model(input_ids=ids, labels=ids).loss
+            model.backward(loss)
+            return loss
+
+        ids = torch.randint(64, (4, 16), generator=torch.Generator().manual_seed(0))
+        loss = train(model, ids).reduce_mean().item()
+        assert abs(loss - math.log(64)) < 0.1, loss
+        assert not any(p.is_meta for p in model.parameters())
+        before = model.module.transformer.h[3].mlp.c_fc.weight.clone()
+        assert 0.01 < before.std().item() < 0.03  # GPT-2's initializer_range, 0.02
+        opt.step()
+        assert not torch.equal(before, model.module.transformer.h[3].mlp.c_fc.weight)
+    finally:
+        smpart.shutdown()
+
+
 def _activation(x):
     return torch.tanh(x) * 2
 

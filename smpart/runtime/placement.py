@@ -93,18 +93,27 @@ def module_stages(model: nn.Module, partition: Partition) -> dict[str, int]:
 
 
 def place(model: nn.Module, model_id: int, partition: Partition, servers: list[StageServer]) -> None:
-    """Move each module's own tensors to its stage's device and route its calls there (threads:
-    every stage's server is here)."""
+    """Move each module's own tensors to its stage's device (materialised and initialised there if
+    they were built on the meta device, as on processes) and route its calls there (threads: every
+    stage's server is here)."""
     if partition.num_stages != len(servers):
         raise PartitionError(f"the partition has {partition.num_stages} stages but the runtime runs "
                              f"{len(servers)}; re-partition with num_stages={len(servers)}")
     stages = module_stages(model, partition)
+    _index_owners(model)
     moved: set[int] = set()
+    fresh: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         server = servers[stages[name]]
-        _move_own_tensors(module, server.device, moved)
+        own = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+        if any(t.is_meta for t in own):
+            if _materialise_own_tensors(module, server.device, moved)[1]:
+                fresh.append((name, module))
+        else:
+            _move_own_tensors(module, server.device, moved)
         install(module, model_id, name, server.stage)
         server.modules[(model_id, name)] = module
+    _initialise(model, fresh, loading=False)
 
 
 def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server: StageServer,
@@ -115,11 +124,7 @@ def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server:
     only its own stage. Returns the parameter bytes kept here."""
     stages = module_stages(model, partition)
     mine = {name for name, stage in stages.items() if stage == server.stage}
-    _owners.clear()
-    for owner in model.modules():  # a tied parameter has several owners: all must see a replacement
-        for param in owner._parameters.values():
-            if param is not None:
-                _owners.setdefault(id(param), []).append(owner)
+    _index_owners(model)
     kept = 0
     seen: set[int] = set()
     fresh: list[tuple[str, nn.Module]] = []
@@ -165,6 +170,15 @@ def _swap_in(module: nn.Module, name: str, param: nn.Parameter, new: nn.Paramete
 
 
 _owners: dict[int, list[nn.Module]] = {}
+
+
+def _index_owners(model: nn.Module) -> None:
+    """Every module holding each parameter: a tied one has several, and all must see a replacement."""
+    _owners.clear()
+    for owner in model.modules():
+        for param in owner._parameters.values():
+            if param is not None:
+                _owners.setdefault(id(param), []).append(owner)
 
 
 def _materialise_own_tensors(module: nn.Module, device: torch.device, seen: set[int]) -> tuple[int, bool]:

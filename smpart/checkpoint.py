@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import json
 import os
 import pickle
@@ -298,12 +299,21 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
 
 
 def _awaits_placement(model: Any) -> bool:
-    """A `DistributedModel` under the process runtime, not placed yet."""
+    """A `DistributedModel` not placed yet, under the process runtime (each rank will hold only its
+    stage), or on threads with tensors on the meta device (each stage's are made at placement)."""
     if getattr(model, "_after_placement", None) is None or getattr(model, "_runtime", None) is not None:
         return False
     from smpart.runtime.runtime import running_runtime
 
-    return getattr(running_runtime(), "setup", None) is not None
+    runtime = running_runtime()
+    if getattr(runtime, "setup", None) is not None:
+        return True
+    on_meta = any(t.is_meta for t in itertools.chain(model.module.parameters(), model.module.buffers()))
+    if on_meta and runtime is None:
+        raise CheckpointError("this model's tensors are on the meta device, and smpart is not running to "
+                              "place it: call smpart.init(...) first, and the load waits for the model's "
+                              "placement at its first step")
+    return on_meta
 
 
 def _load_tensors(path: Path, model: Any, optimizer: Any, process_group: Any,

@@ -91,6 +91,7 @@ class Runtime:
             model._partition = partition
             model._runtime = self
             self.models.add(model)
+            model._placed()  # a checkpoint load that waited for the placement of a model built on meta
 
     def shutdown(self, timeout_s: float = 10.0) -> list[str]:
         for model in list(self.models):

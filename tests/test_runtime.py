@@ -348,6 +348,31 @@ def test_a_model_built_on_meta_is_materialised_on_threads_too():
         smpart.shutdown()
 
 
+def test_a_model_built_on_meta_takes_a_state_dict_at_its_placement():
+    """Loaded before the first step, the entries wait for each stage's tensors to be made (they
+    went nowhere: the meta tensors hold nothing)."""
+    torch.manual_seed(0)
+
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+    plain = make()
+    smpart.init(pipeline_parallel_degree=2, microbatches=2)
+    try:
+        with torch.device("meta"):
+            model = smpart.DistributedModel(make())
+        model.load_state_dict(plain.state_dict())
+        x = torch.randn(4, 4)
+        assert torch.equal(_predict(model, x).concat(), plain(x))
+    finally:
+        smpart.shutdown()
+
+
+@smpart.step
+def _predict(model, x):
+    return model(x)
+
+
 def _activation(x):
     return torch.tanh(x) * 2
 

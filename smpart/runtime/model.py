@@ -134,7 +134,8 @@ class DistributedModel:
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
         """Load a full state dict (from the plain model or `state_dict`); every rank takes its own
-        entries (those of other stages are not held here), which land on their stage's device."""
+        entries (those of other stages are not held here), which land on their stage's device. A
+        model built on the meta device takes them once it is placed, at its first step."""
         held = set(self.local_state_dict())
         every = set(self.module.state_dict(keep_vars=True))
         if strict:
@@ -142,6 +143,10 @@ class DistributedModel:
             if missing or unexpected:
                 raise SmpartError(f"load_state_dict: missing keys {missing[:10]}, unexpected keys "
                                   f"{unexpected[:10]}; is it a state dict of this model?")
+        if self._runtime is None and _has_meta_weights(self.module):
+            # Built on meta: each stage's tensors are made at placement, and take their entries then.
+            self._after_placement.append(lambda: self.load_state_dict(state_dict, strict=False))
+            return nn.modules.module._IncompatibleKeys([], [])
         mine = {k: v for k, v in state_dict.items() if k in held}
         return self.module.load_state_dict(mine, strict=False)
 

@@ -193,41 +193,53 @@ def _materialise_own_tensors(module: nn.Module, device: torch.device, seen: set[
         size += param.numel() * param.element_size()
         if param.device.type == "meta":
             fresh = True
-            empty = torch.empty(param.shape, dtype=param.dtype, device=device)
-            _swap_in(module, name, param, nn.Parameter(empty, param.requires_grad))
+            _swap_in(module, name, param, nn.Parameter(_unset(param, device), param.requires_grad))
         elif param.device != device:
             param.data = param.data.to(device)
     for key, buffer in module._buffers.items():
         if buffer is not None and buffer.device != device:
             fresh |= buffer.device.type == "meta"
-            module._buffers[key] = (torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
-                                    if buffer.device.type == "meta" else buffer.to(device))
+            module._buffers[key] = (_unset(buffer, device) if buffer.device.type == "meta"
+                                    else buffer.to(device))
     return size, fresh
+
+
+def _unset(like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor of ``like``'s shape and dtype on ``device`` that no initialisation wrote yet: NaN
+    where it can be, so that `_initialise` tells a module its scheme did not reach."""
+    if like.dtype.is_floating_point or like.dtype.is_complex:
+        return torch.full(like.shape, float("nan"), dtype=like.dtype, device=device)
+    return torch.empty(like.shape, dtype=like.dtype, device=device)
+
+
+def _unset_left(module: nn.Module) -> bool:
+    """Whether one of the module's own tensors is still all NaN (`_unset`): nothing initialised it."""
+    own = (*module._parameters.values(), *module._buffers.values())
+    return any(t is not None and t.numel() and (t.dtype.is_floating_point or t.dtype.is_complex)
+               and bool(torch.isnan(t).all()) for t in own)
 
 
 def _initialise(model: nn.Module, fresh: list[tuple[str, nn.Module]], loading: bool) -> None:
     """Give the modules materialised from the meta device their first values, children before their
-    parents (as ``nn.Module.apply``): a Hugging Face model's own scheme (``_init_weights``, which its
-    constructor applies, buffers such as rotary frequencies included), else each module's
-    ``reset_parameters()``. A module with neither keeps uninitialised memory: said, unless weights
-    are to be loaded."""
+    parents (as ``nn.Module.apply``): each module's ``reset_parameters()``, then, in a Hugging Face
+    model, its own scheme (``_init_weights``, which its constructor applies, buffers such as rotary
+    frequencies included). A module neither reached keeps unset values: said, unless weights are
+    to be loaded."""
     hugging_face_init = getattr(model, "_init_weights", None)
-    blank = []
     with torch.no_grad():
-        for name, module in reversed(fresh):
+        for _, module in reversed(fresh):
             reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
-            if callable(hugging_face_init):
-                hugging_face_init(module)
-            elif callable(reset):  # torch's MultiheadAttention has only the private one
+            if callable(reset):  # torch's MultiheadAttention has only the private one
                 reset()
-            else:
-                blank.append(name or type(model).__name__)
+            if callable(hugging_face_init):  # its scheme, over torch's, for the modules it knows
+                hugging_face_init(module)
+    blank = [name or type(model).__name__ for name, module in fresh if _unset_left(module)]
     if blank and not loading:
         warnings.warn(f"smpart: {len(blank)} module(s) built on the meta device have no reset_parameters() "
                       f"({', '.join(sorted(blank)[:5])}{' ...' if len(blank) > 5 else ''}): their tensors on "
-                      "this rank hold uninitialised memory. Load weights (smpart.load_checkpoint before the "
-                      "first step, or smpart.load_weights), or give those modules a reset_parameters()",
-                      stacklevel=2)
+                      "this rank hold uninitialised memory (NaN). Load weights (smpart.load_checkpoint "
+                      "before the first step, or smpart.load_weights), or give those modules a "
+                      "reset_parameters()", stacklevel=2)
 
 
 def _release_own_tensors(module: nn.Module, seen: set[int]) -> None:

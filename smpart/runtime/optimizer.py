@@ -146,10 +146,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               "dict is split in ways a plain optimizer cannot load: use "
                               "smpart.save_checkpoint(path, model, optimizer) (it loads into any layout), "
                               "or local_state_dict() for this rank's part")
-        parts = runtime.gather_state("optimizer", self.optimizer_id, self.local_state_dict())
+        own = self.local_state_dict()
+        parts = runtime.gather_state("optimizer", self.optimizer_id, own)
         state = {index: entry for part in parts for index, entry in part["state"].items()}
-        groups = self.optimizer.state_dict()["param_groups"]
-        return {"state": dict(sorted(state.items())), "param_groups": groups}
+        return {"state": dict(sorted(state.items())), "param_groups": own["param_groups"]}
 
     def local_state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict with the state of only the parameters this rank holds

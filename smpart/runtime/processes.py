@@ -189,7 +189,8 @@ class ProcessRuntime:
         if self.is_driver:
             self.server.armed = math.inf  # its main thread is the step's coordinator
         self.servers = [self.server]
-        #: The group `DistributedModel.state_dict` gathers over under tensor parallelism (`gather_state`).
+        #: Every rank's gloo group: `smpart.barrier`, and `DistributedModel.state_dict` under tensor
+        #: parallelism (else the state exchange, `gather_state`).
         self.state_group = self.setup.collective_group
         #: Messages for the step function's wait that a wait for state-dict replies took.
         self._deferred: list[Any] = []
@@ -302,7 +303,7 @@ class ProcessRuntime:
             if model is None or model._runtime is not self:
                 raise SmpartError(f"rank {self.rank} has not placed DistributedModel #{target}: every rank "
                                   "must create the same DistributedModels in the same order")
-            return model._own_state()
+            return model.local_state_dict()  # the exchange copies it to the CPU once
         optimizer = optimizer_by_id(target)
         if optimizer is None:
             raise SmpartError(f"rank {self.rank} has no DistributedOptimizer #{target}: every rank must "

@@ -35,6 +35,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,7 +43,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smpart  # noqa: E402
-from bench.processes import RankPool  # noqa: E402
+from bench.processes import RankPool, _timed  # noqa: E402
 
 
 class SleepKernel(torch.autograd.Function):
@@ -154,17 +155,10 @@ def on_rank_torch(rank: int, schedule: str, stages: int, microbatches: int, seco
             pipeline.step()
 
     torch.distributed.barrier()
-    for _ in range(stages):
-        one_step()
-    times = []
-    cpu_before = _cpu_seconds()
-    for _ in range(steps):
-        start = time.perf_counter()
-        one_step()
-        times.append(time.perf_counter() - start)
-    cpu = (_cpu_seconds() - cpu_before) / steps
+    usage: dict[str, Any] = {}
+    times = _timed(one_step, stages, steps, usage)
     torch.distributed.barrier()
-    return times, [float("nan")] * steps, "", cpu
+    return times, [float("nan")] * steps, "", usage["cpu"]
 
 
 def on_torch_processes(pool: RankPool, *args) -> tuple[list[float], list[float], str, float]:

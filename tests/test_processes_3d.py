@@ -16,6 +16,7 @@ The layouts of one world size share a launch (``init`` -> ``shutdown`` -> ``init
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -57,9 +58,16 @@ def _example(name: str):
     return HuggingFaceExample(name)
 
 
-def _train(pp: int, tp: int, name: str, steps: int = 3) -> tuple[float, float, int]:
+def _train(pp: int, tp: int, name: str, steps: int = 3, differ: bool = False) -> tuple[float, float, int]:
+    """``differ``: every rank but the first starts from other values, as when a script seeds each
+    rank differently: smpart must start every copy from the first rank's (`replicas`)."""
     example = _example(name)
     reference = copy.deepcopy(example.model)
+    if differ and int(os.environ["RANK"]) != 0:
+        torch.manual_seed(int(os.environ["RANK"]))
+        with torch.no_grad():
+            for p in example.model.parameters():
+                p.uniform_(-1, 1)
     smpart.init(pipeline_parallel_degree=pp, tensor_parallel_degree=tp, microbatches=MICROBATCHES,
                 timeout_s=60)
     dp = smpart.dp_size()
@@ -118,6 +126,38 @@ def test_four_processes_pp2_with_tp2_or_dp2():
 @pytest.mark.timeout(400)
 def test_eight_processes_pp2_tp2_dp2():
     _check(run_ranks(_layouts, 8, [(2, 2, name) for name in MODELS], timeout_s=390))
+
+
+def _differently_built(rank, cases):
+    return [((pp, tp, "differ"), *_train(pp, tp, "zoo_gpt2", steps=2, differ=True)) for pp, tp in cases]
+
+
+@pytest.mark.timeout(300)
+def test_replicas_and_shards_start_from_the_first_ranks_values_when_ranks_build_different_ones():
+    """Data-parallel replicas, and tensor-parallel ranks' shards and replicated tensors, all take
+    rank 0's values before the first step, as DDP does: training equals the unsplit model that
+    rank 0 built."""
+    _check(run_ranks(_differently_built, 4, [(2, 1), (1, 2), (2, 2)], timeout_s=290))
+
+
+def _meta_replicas(rank):
+    torch.manual_seed(rank)  # each rank its own seed: the replicas must still agree
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60)
+    model = smpart.DistributedModel(model)
+    smpart.step(lambda model, x: model(x))(model, torch.ones(4, 8))
+    replica, full = smpart.dp_rank(), {k: v.tolist() for k, v in model.state_dict().items()}
+    smpart.shutdown()
+    return replica, full
+
+
+@pytest.mark.timeout(120)
+def test_replicas_of_a_model_built_on_meta_initialise_alike():
+    by_replica = dict(values(run_ranks(_meta_replicas, 4, timeout_s=110)))
+    first, second = by_replica[0], by_replica[1]
+    assert first == second
+    assert first["0.weight"] != first["2.weight"]  # the layers still differ
 
 
 def _sharded_optimizer_state(rank, pp, tp):

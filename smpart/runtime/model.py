@@ -29,6 +29,11 @@ def model_by_id(model_id: int) -> DistributedModel | None:
     return _models.get(model_id)
 
 
+def models_not_agreed() -> list[DistributedModel]:
+    """The models whose copies have not yet taken the first rank's values, in creation order."""
+    return [model for _, model in sorted(_models.items()) if not model._agreed]
+
+
 class DistributedModel:
     """``smpart.DistributedModel(model)``: pass it to an ``@smpart.step`` function and call it there."""
 
@@ -47,6 +52,10 @@ class DistributedModel:
         #: Work waiting for the model to be placed (a checkpoint load under torchrun), run by the
         #: runtime on every rank right after placement.
         self._after_placement: list[Callable[[], None]] = []
+        #: Whether every rank's copy took the first rank's values (`replicas`), or needs not: placed.
+        self._agreed = False
+        #: Rank 0's seed, for modules initialised at placement from the meta device (`replicas`).
+        self._init_seed: int | None = None
 
     # ================================================================ running
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -10,8 +10,10 @@ the parameters keep working) and install a `StagedForward` that routes calls to 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -117,11 +119,12 @@ def place(model: nn.Module, model_id: int, partition: Partition, servers: list[S
 
 
 def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server: StageServer,
-                  loading: bool = False) -> int:
+                  loading: bool = False, seed: int | None = None) -> int:
     """Processes: route every module's calls to its stage; keep this rank's modules (materialised on
-    its device and initialised if they were built on the meta device; ``loading``: weights will be
-    loaded into them) and release every other stage's tensors to the meta device, so a rank holds
-    only its own stage. Returns the parameter bytes kept here."""
+    its device and initialised if they were built on the meta device, from a generator seeded with
+    ``seed`` if given; ``loading``: weights will be loaded into them) and release every other
+    stage's tensors to the meta device, so a rank holds only its own stage. Returns the parameter
+    bytes kept here."""
     stages = module_stages(model, partition)
     mine = {name for name, stage in stages.items() if stage == server.stage}
     _index_owners(model)
@@ -135,7 +138,8 @@ def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server:
             if materialised:
                 fresh.append((name, module))
             server.modules[(model_id, name)] = module
-    _initialise(model, fresh, loading)
+    with _seeded(seed, server.device):
+        _initialise(model, fresh, loading)
     for name, module in model.named_modules():
         if name not in mine:
             _release_own_tensors(module, seen)
@@ -240,6 +244,19 @@ def _initialise(model: nn.Module, fresh: list[tuple[str, nn.Module]], loading: b
                       "this rank hold uninitialised memory (NaN). Load weights (smpart.load_checkpoint "
                       "before the first step, or smpart.load_weights), or give those modules a "
                       "reset_parameters()", stacklevel=2)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Draw from a generator seeded with ``seed`` (the replicas of a stage initialise alike,
+    `replicas`), leaving the caller's random state as it was; nothing changes without a seed."""
+    if seed is None:
+        yield
+        return
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        yield
 
 
 def _release_own_tensors(module: nn.Module, seen: set[int]) -> None:

@@ -51,6 +51,7 @@ from smpart.runtime.messages import (
     StepResult,
 )
 from smpart.runtime.placement import place_on_rank, unplace
+from smpart.runtime.replicas import initialisation_seed, make_replicas_agree
 from smpart.runtime.stage import POLL_S, StageServer
 from smpart.runtime.state_exchange import StateExchange
 from smpart.runtime.step_run import StepRun
@@ -226,6 +227,7 @@ class ProcessRuntime:
             step = self.steps_taken
             self.transport.step = step
             try:
+                self._make_replicas_agree()
                 if self.is_driver:
                     self.states.before_step(step)  # its parameters hold still until the step begins
                     return self._drive(step, fn, pieces)
@@ -386,6 +388,17 @@ class ProcessRuntime:
                               "same size, since their gradients are averaged")
 
     # ================================================================ placement
+    def _make_replicas_agree(self) -> None:
+        """Models new since the last step take rank 0's values on every rank (`replicas`), where
+        ranks hold copies of the same tensors: data or tensor parallelism."""
+        from smpart.runtime.model import models_not_agreed
+
+        new = models_not_agreed()
+        if self.layout.dp > 1 or self.layout.tp > 1:
+            make_replicas_agree(new, self.setup.collective_group, self.config.timeout_s)
+        for model in new:
+            model._agreed = True
+
     def ensure_placed(self, model: DistributedModel, args: tuple, kwargs: dict) -> None:
         """On the driver's rank, at the model's first call: partition, send it to every rank, place."""
         if model._runtime is self:
@@ -450,8 +463,10 @@ class ProcessRuntime:
         if self.layout.tp > 1:
             self._split_for_tensor_parallelism(model)
             partition = _as_split(partition, model.tensor_parallel_plan)
+        seed = (None if model._init_seed is None else
+                initialisation_seed(model._init_seed, model.model_id, self.stage, self.tp_rank))
         kept = place_on_rank(model.module, model.model_id, partition, self.server,
-                             loading=bool(model._after_placement))
+                             loading=bool(model._after_placement), seed=seed)
         self.resident_bytes[model.model_id] = kept
         model._partition = partition
         model._runtime = self

@@ -160,6 +160,56 @@ def test_replicas_of_a_model_built_on_meta_initialise_alike():
     assert first["0.weight"] != first["2.weight"]  # the layers still differ
 
 
+def _dropout_training(rank, own_seed):
+    """Two SGD steps of a Hugging Face GPT-2 with its default dropout on 2 tensor-parallel ranks,
+    each rank seeded with ``own_seed(rank)`` after the model is built: the losses, and each
+    rank's copy of the replicated layer norms afterwards."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_head=4, n_layer=2, n_positions=32, vocab_size=64)
+    built = transformers.GPT2LMHeadModel(config).to(torch.float64)
+    torch.manual_seed(own_seed(rank))
+    smpart.init(tensor_parallel_degree=2, microbatches=2, timeout_s=60)
+    model = smpart.DistributedModel(built)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smpart.step
+    def step(model, ids):
+        out = model(input_ids=ids, labels=ids)
+        model.backward(out.loss)
+        return out.loss
+
+    ids = torch.randint(64, (4, 12), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(2):
+        losses.append(step(model, ids).reduce_mean().item())
+        opt.step()
+        opt.zero_grad()
+    norms = {k: smpart.tensor_parallel.full_tensor(v).tolist()
+             for k, v in model.local_state_dict().items() if ".ln_" in k}
+    smpart.shutdown()
+    return losses, norms
+
+
+def _same_seed(rank):
+    return 0
+
+
+def _seed_per_rank(rank):
+    return rank
+
+
+@pytest.mark.timeout(120)
+def test_tensor_parallel_ranks_draw_the_same_dropout_masks_whatever_each_ranks_seed():
+    """A dropout after a row-parallel layer masks an activation both ranks hold whole: with masks
+    that differed, the ranks' copies would differ, and so would the layer norms they train."""
+    (losses, norms), other = values(run_ranks(_dropout_training, 2, _seed_per_rank, timeout_s=110))
+    assert norms == other[1], "the tensor-parallel ranks' replicated layer norms differ"
+    same_seed_losses = values(run_ranks(_dropout_training, 2, _same_seed, timeout_s=110))[0][0]
+    assert losses == same_seed_losses  # rank 0's random state rules, whatever rank 1's seed
+
+
 def _sharded_optimizer_state(rank, pp, tp):
     """ZeRO-1: each replica keeps Adam state for its share of its stage's parameters only, and
     training still equals the unsplit model's on the global batch."""

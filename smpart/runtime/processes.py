@@ -51,7 +51,7 @@ from smpart.runtime.messages import (
     StepResult,
 )
 from smpart.runtime.placement import place_on_rank, unplace
-from smpart.runtime.replicas import initialisation_seed, make_replicas_agree
+from smpart.runtime.replicas import initialisation_seed, make_replicas_agree, share_random_state
 from smpart.runtime.stage import POLL_S, StageServer
 from smpart.runtime.state_exchange import StateExchange
 from smpart.runtime.step_run import StepRun
@@ -390,7 +390,8 @@ class ProcessRuntime:
     # ================================================================ placement
     def _make_replicas_agree(self) -> None:
         """Models new since the last step take rank 0's values on every rank (`replicas`), where
-        ranks hold copies of the same tensors: data or tensor parallelism."""
+        ranks hold copies of the same tensors: data or tensor parallelism; a stage's tensor-parallel
+        ranks take the first one's random state."""
         from smpart.runtime.model import models_not_agreed
 
         new = models_not_agreed()
@@ -398,6 +399,9 @@ class ProcessRuntime:
             make_replicas_agree(new, self.setup.collective_group, self.config.timeout_s)
         for model in new:
             model._agreed = True
+        if self.layout.tp > 1:  # every step: a rank may have drawn alone between steps
+            share_random_state(self.setup.tp_group, self.layout.rank_of(self.stage, self.dp_rank, 0),
+                               self.setup.device, self.config.timeout_s)
 
     def ensure_placed(self, model: DistributedModel, args: tuple, kwargs: dict) -> None:
         """On the driver's rank, at the model's first call: partition, send it to every rank, place."""

@@ -19,6 +19,16 @@ the step function, so every rank is there), before anything is traced or placed.
 The ranks first agree that they hold the same models, tensor by tensor (names, shapes, dtypes,
 which are on the meta device): a digest's max and min over every rank, one small all-reduce. A
 model that differs between ranks is an error naming it, not a collective that never pairs.
+
+The tensor-parallel ranks of a stage also draw alike (`share_random_state`): a dropout after a
+row-parallel layer masks an activation every one of them holds whole, and masks that differ would
+make their copies differ (the next layer's shards would compute from different inputs, and the
+all-reduce after it would sum them). So at every step's start they take the first one's random
+state (the CPU's and their GPU's); they draw the same numbers in the same order from then on, since
+they run the same modules on shards of one size. Dropout inside a sharded region (attention heads)
+then masks each rank's shard alike: valid masks, correlated across shards, where Megatron keeps a
+second generator for those regions.
+
 Every wait is bounded by ``timeout_s``.
 """
 
@@ -53,6 +63,21 @@ def make_replicas_agree(models: list[Any], group: Any, timeout_s: float) -> None
         for bucket in _buckets(tensors):
             _broadcast(bucket, group, timeout_s)
         model._init_seed = int(seed.item())
+
+
+def share_random_state(group: Any, src: int, device: torch.device, timeout_s: float) -> None:
+    """Every rank of ``group`` takes rank ``src``'s random state: the CPU's, and ``device``'s if a GPU."""
+    parts = [torch.get_rng_state()]
+    if device.type == "cuda":
+        parts.append(torch.cuda.get_rng_state(device))
+    on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    flat = torch.cat(parts).to(on)
+    _wait(dist.broadcast(flat, src=src, group=group, async_op=True), timeout_s, "the random state")
+    flat = flat.cpu()
+    cpu_size = parts[0].numel()
+    torch.set_rng_state(flat[:cpu_size])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(flat[cpu_size:], device)
 
 
 def initialisation_seed(base: int, model_id: int, stage: int, tp_rank: int) -> int:
@@ -114,6 +139,5 @@ def _wait(work: Any, timeout_s: float, what: str) -> None:
     try:
         work.wait(datetime.timedelta(seconds=timeout_s))
     except RuntimeError as err:
-        raise SmpartError(f"the ranks did not agree on {what} within {timeout_s} s, at the start of "
-                          "the first step of a new model (every rank must call the step function): "
-                          f"{err}") from err
+        raise SmpartError(f"the ranks did not agree on {what} within {timeout_s} s at the start of a "
+                          f"step (every rank must call the step function): {err}") from err

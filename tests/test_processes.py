@@ -579,6 +579,23 @@ def _uneven_replicas(rank):
     return error_of_a_step(model, torch.ones(4 + smpart.dp_rank(), 4))
 
 
+def _built_differently(rank, how):
+    smpart.init(pipeline_parallel_degree=2, microbatches=1, timeout_s=30)
+    if how == "meta on one rank":  # weights loaded on the first rank alone would reach no one else
+        with torch.device("meta" if rank == 1 else "cpu"):
+            module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    else:
+        module = torch.nn.Sequential(torch.nn.Linear(4, 4 + rank), torch.nn.Linear(4 + rank, 1))
+    return error_of_a_step(smpart.DistributedModel(module), torch.ones(2, 4))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["meta on one rank", "other shapes"])
+def test_ranks_that_build_different_models_are_told_so_before_anything_is_placed(how):
+    for text in values(run_ranks(_built_differently, 2, how, timeout_s=80)):
+        assert "the ranks hold different models (DistributedModel #" in text, text
+
+
 @pytest.mark.timeout(90)
 def test_replicas_fed_batches_of_different_sizes_are_told_so():
     for text in values(run_ranks(_uneven_replicas, 2, timeout_s=80)):

@@ -51,7 +51,12 @@ from smpart.runtime.messages import (
     StepResult,
 )
 from smpart.runtime.placement import place_on_rank, unplace
-from smpart.runtime.replicas import initialisation_seed, make_replicas_agree, share_random_state
+from smpart.runtime.replicas import (
+    check_same_models,
+    initialisation_seed,
+    make_replicas_agree,
+    share_random_state,
+)
 from smpart.runtime.stage import POLL_S, StageServer
 from smpart.runtime.state_exchange import StateExchange
 from smpart.runtime.step_run import StepRun
@@ -389,12 +394,13 @@ class ProcessRuntime:
 
     # ================================================================ placement
     def _make_replicas_agree(self) -> None:
-        """Models new since the last step take rank 0's values on every rank (`replicas`), where
-        ranks hold copies of the same tensors: data or tensor parallelism; a stage's tensor-parallel
-        ranks take the first one's random state."""
+        """Models new since the last step are the same on every rank, and take rank 0's values
+        where ranks hold copies of the same tensors: data or tensor parallelism (`replicas`); a
+        stage's tensor-parallel ranks take the first one's random state."""
         from smpart.runtime.model import models_not_agreed
 
         new = models_not_agreed()
+        check_same_models(new, self.setup.collective_group, self.config.timeout_s)
         if self.layout.dp > 1 or self.layout.tp > 1:
             make_replicas_agree(new, self.setup.collective_group, self.config.timeout_s)
         for model in new:

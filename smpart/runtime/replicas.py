@@ -16,9 +16,11 @@ the step function, so every rank is there), before anything is traced or placed.
   rank 0's seed, the model and the stage (`initialisation_seed`), so the replicas of a stage draw
   the same values while different stages still differ.
 
-The ranks first agree that they hold the same models, tensor by tensor (names, shapes, dtypes,
-which are on the meta device): a digest's max and min over every rank, one small all-reduce. A
-model that differs between ranks is an error naming it, not a collective that never pairs.
+Before that, with any layout, the ranks agree that they hold the same models, tensor by tensor
+(names, shapes, dtypes, which are on the meta device; `check_same_models`): a digest's max and
+min over every rank, one small all-reduce. A model that differs between ranks is an error naming
+it, not a collective that never pairs, nor (a model built for real on one rank and on meta on the
+others) a stage silently initialised afresh.
 
 The tensor-parallel ranks of a stage also draw alike (`share_random_state`): a dropout after a
 row-parallel layer masks an activation every one of them holds whole, and masks that differ would
@@ -55,7 +57,6 @@ def make_replicas_agree(models: list[Any], group: Any, timeout_s: float) -> None
     has placed yet, in creation order) and rank 0's seed for what is still on the meta device."""
     if not models:
         return
-    _check_same_models(models, group, timeout_s)
     seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
     _wait(dist.broadcast(seed, src=0, group=group, async_op=True), timeout_s, "rank 0's seed")
     for model in models:
@@ -93,7 +94,11 @@ def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from ((name, b) for name, b in module.named_buffers() if b is not None)
 
 
-def _check_same_models(models: list[Any], group: Any, timeout_s: float) -> None:
+def check_same_models(models: list[Any], group: Any, timeout_s: float) -> None:
+    """Raise unless every rank of ``group`` holds ``models`` alike: the same tensors by name, shape,
+    dtype and meta-ness (one small all-reduce)."""
+    if not models:
+        return
     described = [(model.model_id, [(name, tuple(t.shape), str(t.dtype), t.is_meta)
                                    for name, t in _tensors(model.module)]) for model in models]
     digest = int.from_bytes(hashlib.sha256(repr(described).encode()).digest()[:7], "little")
@@ -104,8 +109,10 @@ def _check_same_models(models: list[Any], group: Any, timeout_s: float) -> None:
         numbers = ", ".join(f"#{model.model_id}" for model in models)
         raise SmpartError(
             f"the ranks hold different models (DistributedModel {numbers}: their parameters' and buffers' "
-            "names, shapes, dtypes or meta-ness differ between ranks); every rank must build the same "
-            "models, in the same order, each on the same device type or all on the meta device")
+            "names, shapes, dtypes or meta-ness differ between ranks). Every rank must build the same "
+            "models in the same order, all of them materialised or all on the meta device: a rank keeps "
+            "its own stage's weights, so weights loaded on one rank alone would not reach the others "
+            "(load them on every rank, or smpart.load_checkpoint after building on meta)")
 
 
 def _buckets(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:

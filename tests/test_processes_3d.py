@@ -133,11 +133,12 @@ def _differently_built(rank, cases):
 
 
 @pytest.mark.timeout(300)
-def test_replicas_and_shards_start_from_the_first_ranks_values_when_ranks_build_different_ones():
-    """Data-parallel replicas, and tensor-parallel ranks' shards and replicated tensors, all take
-    rank 0's values before the first step, as DDP does: training equals the unsplit model that
-    rank 0 built."""
-    _check(run_ranks(_differently_built, 4, [(2, 1), (1, 2), (2, 2)], timeout_s=290))
+def test_every_rank_starts_from_the_first_ranks_values_when_ranks_build_different_ones():
+    """Data-parallel replicas, tensor-parallel ranks' shards and replicated tensors, and the
+    stages of a pipeline all take rank 0's values before the first step, as DDP does: training
+    equals the unsplit model that rank 0 built."""
+    _check(run_ranks(_differently_built, 2, [(2, 1)], timeout_s=100))
+    _check(run_ranks(_differently_built, 4, [(2, 1), (1, 2), (2, 2)], timeout_s=190))
 
 
 def _meta_replicas(rank):

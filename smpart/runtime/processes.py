@@ -394,15 +394,13 @@ class ProcessRuntime:
 
     # ================================================================ placement
     def _make_replicas_agree(self) -> None:
-        """Models new since the last step are the same on every rank, and take rank 0's values
-        where ranks hold copies of the same tensors: data or tensor parallelism (`replicas`); a
-        stage's tensor-parallel ranks take the first one's random state."""
+        """Models new since the last step are the same on every rank and take rank 0's values
+        (`replicas`); a stage's tensor-parallel ranks take the first one's random state."""
         from smpart.runtime.model import models_not_agreed
 
         new = models_not_agreed()
         check_same_models(new, self.setup.collective_group, self.config.timeout_s)
-        if self.layout.dp > 1 or self.layout.tp > 1:
-            make_replicas_agree(new, self.setup.collective_group, self.config.timeout_s)
+        make_replicas_agree(new, self.setup.collective_group, self.config.timeout_s)
         for model in new:
             model._agreed = True
         if self.layout.tp > 1:  # every step: a rank may have drawn alone between steps

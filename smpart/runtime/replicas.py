@@ -1,13 +1,15 @@
-"""Replicas start alike: every rank's copy of a model takes the first rank's values before it trains.
+"""Every rank starts from the first rank's model: under ``torchrun``, rank 0's model is the model.
 
 Under data parallelism each replica trains its own copy of every stage, and averaging gradients
 keeps copies equal only if they started equal; under tensor parallelism each rank cuts its shards
 from its own copy of the full weights and keeps its own copy of the replicated ones (norms,
-biases). A script that seeds each rank differently (``torch.manual_seed(seed + rank)``, common for
-data order and dropout) builds different copies, and training would go on silently with replicas
-that never agree. So, as DDP does when it wraps a model, smpart gives every rank the first rank's
-values, once per model: at the start of the first step after the model was made (every rank calls
-the step function, so every rank is there), before anything is traced or placed.
+biases); under pipeline parallelism alone each rank keeps its own stage from its own copy. A
+script that seeds each rank differently (``torch.manual_seed(seed + rank)``, common for data
+order and dropout) builds different copies: replicas would train apart silently, and the model
+trained would be a mix of copies. So, as DDP does when it wraps a model, smpart gives every rank
+the first rank's values, once per model, whatever the layout: at the start of the first step
+after the model was made (every rank calls the step function, so every rank is there), before
+anything is traced or placed. Weights loaded on rank 0 alone reach every rank too.
 
 - Tensors already materialised are broadcast from rank 0, in buckets of one dtype, through a CPU
   copy (smpart's gloo group), so a rank that holds the model on its GPU is served too.
@@ -16,7 +18,7 @@ the step function, so every rank is there), before anything is traced or placed.
   rank 0's seed, the model and the stage (`initialisation_seed`), so the replicas of a stage draw
   the same values while different stages still differ.
 
-Before that, with any layout, the ranks agree that they hold the same models, tensor by tensor
+Before that, the ranks agree that they hold the same models, tensor by tensor
 (names, shapes, dtypes, which are on the meta device; `check_same_models`): a digest's max and
 min over every rank, one small all-reduce. A model that differs between ranks is an error naming
 it, not a collective that never pairs, nor (a model built for real on one rank and on meta on the

@@ -32,7 +32,10 @@ went, thread by thread (the stage's workers, its dispatcher, the transport's rec
 gloo's socket loops, the main thread, and threads that ended within the step: the drivers).
 ``--pin`` pins each rank to a core of its own (``sched_setaffinity``): a thread that then waits for
 a core waits for a thread of its own rank, so the two runs together tell contention inside a rank
-from contention between the ranks.
+from contention between the ranks. ``--anatomy`` prints, from smpart's step timelines, each
+stage's busy time per step beside the same half's forward and backward run alone on one thread
+(how much slower the work itself runs inside the runtime), and the hand-offs between the stages:
+how long an action waited once its input was made and its stage was free.
 
 The two worker processes are spawned once (`RankPool`) and stay up; the configurations alternate
 round by round (the order of the process ones rotates), so a change in the machine's load hits
@@ -41,6 +44,7 @@ steps on rank 0 (the driver); medians over all rounds. The ideal pipelined step 
 balanced stages is ``(m + 1) / (2 m)`` of the micro-batched unsplit step (``m`` micro-batches).
 
     .venv/bin/python bench/processes.py [--rounds 3] [--steps 7] [--warmup 3] [--by-thread] [--pin]
+                                        [--anatomy]
 
 `RankPool` is also what `bench/overhead.py` and `bench/pipeline_efficiency.py` launch processes with.
 """
@@ -323,24 +327,101 @@ def run_smpart(rank: int | None, schedule: str, warmup: int, steps: int,
         model = smpart.DistributedModel(Halves(make_model()) if halves else make_model())
         opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
         x, y = make_batch()
-        last: list[Any] = []
+        outputs: list[Any] = []
 
         def one_step() -> None:
             out = smpart_step(model, x, y)
             opt.step()
             opt.zero_grad()
-            last[:] = [out]
+            outputs.append(out)
 
         usage: dict[str, float] = {}
         times = _timed(one_step, warmup, steps, usage)
+        last = outputs[-1:]
         if rank is not None:
             dist.barrier()  # every rank has measured before any shuts down (a closed peer's receiver ends)
         stages = smpart.partition_of(model).module_stages()
         assert all(stages[name] == stage for name, stage in pins.items() if name), "pins not honoured"
         return {"times": times, "bytes_sent": dict(last[0].timeline.bytes_sent),
-                "loss": last[0].reduce_mean().item(), **usage}
+                "loss": last[0].reduce_mean().item(),
+                "anatomy": anatomy([out.timeline for out in outputs[-steps:]]), **usage}
     finally:
         smpart.shutdown()
+
+
+def anatomy(timelines: list[Any]) -> dict[str, list[float]]:
+    """Where a 2-stage step's time goes, from its timelines (seconds): each stage's busy time
+    per step (its actions' spans), and each hand-off between the stages: how long an action waited
+    after both its input was made on the other stage and its own stage finished its previous
+    action (forward 0 -> 1, backward 1 -> 0)."""
+    busy: list[list[float]] = [[], []]
+    forward: list[float] = []
+    backward: list[float] = []
+    for timeline in timelines:
+        actions = {stage: _actions(timeline, stage) for stage in (0, 1)}
+        for stage in (0, 1):
+            busy[stage].append(sum(e["end_s"] - e["start_s"] for e in timeline.events if e["stage"] == stage))
+        for mb in range(timeline.microbatches):
+            forward.append(_waited(actions[1], actions[0], ("F", mb)))
+            backward.append(_waited(actions[0], actions[1], ("B", mb)))
+    return {"busy0": busy[0], "busy1": busy[1], "forward": forward, "backward": backward}
+
+
+def _actions(timeline: Any, stage: int) -> list[tuple[tuple[str, int], float, float]]:
+    """A stage's actions in order, ``((kind, micro-batch), start, end)``: the spans of one action
+    (stage 1's forward is a span per block called) merged."""
+    merged: list[tuple[tuple[str, int], float, float]] = []
+    for e in (e for e in timeline.events if e["stage"] == stage):
+        key = (e["kind"][0].upper(), e["microbatch"])
+        if merged and merged[-1][0] == key:
+            merged[-1] = (key, merged[-1][1], e["end_s"])
+        else:
+            merged.append((key, e["start_s"], e["end_s"]))
+    return merged
+
+
+def _waited(mine: list[tuple[tuple[str, int], float, float]],
+            theirs: list[tuple[tuple[str, int], float, float]], key: tuple[str, int]) -> float:
+    i = next(i for i, action in enumerate(mine) if action[0] == key)
+    made = next(end for k, _, end in theirs if k == key)
+    free = mine[i - 1][2] if i > 0 else 0.0
+    return max(0.0, mine[i][1] - max(made, free))
+
+
+def pure_compute(steps: int) -> list[float]:
+    """Each half's forward and backward over the 4 micro-batches, one thread, nothing else: thread
+    CPU seconds per step, medians of ``steps``."""
+    halves = Halves(make_model())
+    x, y = make_batch()
+    inputs = [halves.first(xs).detach() for xs in x.chunk(MICROBATCHES)]
+    result = []
+    for half, feed in ((halves.first, list(x.chunk(MICROBATCHES))), (halves.second, inputs)):
+        per_step = []
+        for _ in range(steps):
+            start = time.thread_time()
+            for xs in feed:
+                out = half(xs.requires_grad_() if half is halves.second else xs)
+                out.backward(torch.ones_like(out))
+            per_step.append(time.thread_time() - start)
+        result.append(statistics.median(per_step))
+    return result
+
+
+def _print_anatomy(anatomies: dict[str, list[dict[str, list[float]]]], compute: list[float]) -> None:
+    print("\nanatomy of smpart's step on processes (ms per step; medians over every round's timed steps):")
+    print(f"  each half's forward + backward alone, one thread, thread CPU: stage 0 {_ms(compute[0])}, "
+          f"stage 1 {_ms(compute[1])}")
+    for schedule, rounds in anatomies.items():
+        merged = {key: [v for each in rounds for v in each[key]] for key in rounds[0]}
+        steps = len(merged["busy0"])
+        busy = [statistics.median(merged[f"busy{s}"]) for s in (0, 1)]
+        hand = {k: (statistics.median(merged[k]), sorted(merged[k])[int(0.9 * len(merged[k]))],
+                    sum(merged[k]) / steps) for k in ("forward", "backward")}
+        print(f"  {schedule}: stages busy {_ms(busy[0])} / {_ms(busy[1])} (x {busy[0] / compute[0]:.2f} / "
+              f"x {busy[1] / compute[1]:.2f} the work alone); hand-offs, median / p90 / total per step: "
+              f"forward 0->1 {hand['forward'][0] * 1e3:.2f} / {hand['forward'][1] * 1e3:.2f} / "
+              f"{hand['forward'][2] * 1e3:.1f}, backward 1->0 {hand['backward'][0] * 1e3:.2f} / "
+              f"{hand['backward'][1] * 1e3:.2f} / {hand['backward'][2] * 1e3:.1f}")
 
 
 def run_one_thread(rank: int, schedule: str, warmup: int, steps: int) -> dict[str, Any]:
@@ -435,6 +516,9 @@ def main() -> None:
                         help="also print where each rank's CPU and waiting went, thread by thread")
     parser.add_argument("--pin", action="store_true",
                         help="pin each rank (of the process configurations) to a core of its own")
+    parser.add_argument("--anatomy", action="store_true",
+                        help="also print smpart's stages' busy time beside their work alone, and the "
+                             "hand-offs between them, from the steps' timelines")
     a = parser.parse_args()
     torch.set_num_threads(1)
     proc_configs = [("smpart procs", "1f1b"), ("torch procs", "1f1b"), ("smpart procs", "gpipe"),
@@ -450,6 +534,7 @@ def main() -> None:
     extra: dict[tuple[str, str], dict[str, Any]] = {}
     per_round: dict[tuple[str, str], list[float]] = {}  # each round's median step of the process configs
     roles: dict[tuple[str, str], list[list[dict[str, list[float]]]]] = {}  # per config, rank: every round's
+    anatomies: dict[str, list[dict[str, list[float]]]] = {}  # smpart procs, per schedule: every round's
     print(f"MLP {BLOCKS} x ({WIDTH}->{HIDDEN}->{WIDTH}) + head, batch {BATCH}, {MICROBATCHES} micro-batches, "
           f"2 stages, 1 intra-op thread per process; {a.rounds} rounds x {a.steps} timed steps "
           f"(after {a.warmup} warm-up) per configuration{'; each rank on a core of its own' * a.pin}")
@@ -469,6 +554,8 @@ def main() -> None:
                 for rank, each in enumerate(results):
                     roles.setdefault((name, schedule), [[] for _ in results])[rank].append(each["roles"])
                 extra[(name, schedule)] = result
+                if name == "smpart procs":
+                    anatomies.setdefault(schedule, []).append(result["anatomy"])
             for schedule in ("1f1b", "gpipe"):
                 result = run_smpart(None, schedule, a.warmup, a.steps)
                 times.setdefault(("smpart threads", schedule), []).extend(result["times"])
@@ -523,6 +610,8 @@ def main() -> None:
               f"(median {statistics.median(paired):.3f})")
     if a.by_thread:
         _print_roles(roles)
+    if a.anatomy:
+        _print_anatomy(anatomies, pure_compute(max(a.steps, 5)))
     if ("smpart procs", "1f1b halves") in med:
         ratio = med[("smpart procs", "1f1b halves")] / med[("torch procs", "1f1b")]
         print(f"diagnostic, the same layers in two halves (one cross-stage call per micro-batch) / torch "

@@ -211,6 +211,61 @@ def test_tensor_parallel_ranks_draw_the_same_dropout_masks_whatever_each_ranks_s
     assert losses == same_seed_losses  # rank 0's random state rules, whatever rank 1's seed
 
 
+def _own_tensor_parallel_layers(rank):
+    """A model whose author put ``smpart.nn.DistributedLinear`` layers in it (SMP's manual tensor
+    parallelism), beside a plain layer, on 2 stages x 2 tensor-parallel ranks."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    smpart.init(pipeline_parallel_degree=2, tensor_parallel_degree=2, microbatches=2, timeout_s=60,
+                pin={"0": 0, "1": 0, "2": 0, "3": 1})
+    mesh = smpart.device_mesh()["tp"]
+
+    def build(distributed: bool) -> nn.Module:
+        torch.manual_seed(0)  # a DistributedLinear draws as nn.Linear would, then keeps its shard
+
+        def linear(i, o, style):
+            if distributed:
+                return smpart.nn.DistributedLinear(i, o, style=style, group=mesh, dtype=torch.float64)
+            return nn.Linear(i, o, dtype=torch.float64)
+
+        return nn.Sequential(linear(8, 16, "column"), nn.GELU(), linear(16, 8, "row"),
+                             nn.Linear(8, 4, dtype=torch.float64))
+
+    reference, model = build(False), smpart.DistributedModel(build(True))
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+
+    @smpart.step
+    def step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    loss_diff = 0.0
+    for _ in range(3):
+        x, y = torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randint(4, (4,), generator=g)
+        loss = step(model, x, y).reduce_mean().item()
+        pieces = zip(x.chunk(2), y.chunk(2), strict=True)
+        expected = sum(F.cross_entropy(reference(a), b) for a, b in pieces) / 2
+        expected.backward()
+        loss_diff = max(loss_diff, abs(loss - expected.item()))
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    full = model.state_dict()
+    state_diff = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    smpart.shutdown()
+    return loss_diff, state_diff
+
+
+@pytest.mark.timeout(120)
+def test_a_model_with_its_authors_own_tensor_parallel_layers_trains_like_the_unsplit_model():
+    for loss_diff, state_diff in values(run_ranks(_own_tensor_parallel_layers, 4, timeout_s=110)):
+        assert loss_diff <= TOL and state_diff <= TOL, (loss_diff, state_diff)
+
+
 def _sharded_optimizer_state(rank, pp, tp):
     """ZeRO-1: each replica keeps Adam state for its share of its stage's parameters only, and
     training still equals the unsplit model's on the global batch."""

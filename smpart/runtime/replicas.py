@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 
 from smpart.errors import SmpartError
 
@@ -62,7 +63,8 @@ def make_replicas_agree(models: list[Any], group: Any, timeout_s: float) -> None
     seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
     _wait(dist.broadcast(seed, src=0, group=group, async_op=True), timeout_s, "rank 0's seed")
     for model in models:
-        tensors = [t for _, t in _tensors(model.module) if not t.is_meta]
+        # A tensor-parallel layer the user built holds its own shard (a DTensor): not a copy
+        tensors = [t for _, t in _tensors(model.module) if not t.is_meta and not isinstance(t, DTensor)]
         for bucket in _buckets(tensors):
             _broadcast(bucket, group, timeout_s)
         model._init_seed = int(seed.item())

@@ -1056,9 +1056,16 @@ def plan_tensor_parallel(
     if warn:
         for message in plan.warnings:
             warnings.warn(message, TensorParallelWarning, stacklevel=2)
-    if require_split and not plan.split_modules():
+    if require_split and not plan.split_modules() and not _already_split(model):
         raise TensorParallelError(_nothing_split(plan, model))
     return plan
+
+
+def _already_split(model: nn.Module) -> bool:
+    """Whether the model holds tensor-parallel layers its author put there (``smpart.nn``)."""
+    from smpart.tensor_parallel.layers import DistributedEmbedding, DistributedLinear
+
+    return any(isinstance(m, (DistributedLinear, DistributedEmbedding)) for m in model.modules())
 
 
 def _nothing_split(plan: TensorParallelPlan, model: nn.Module) -> str:

@@ -472,7 +472,7 @@ class ProcessRuntime:
             self._split_for_tensor_parallelism(model)
             partition = _as_split(partition, model.tensor_parallel_plan)
         seed = (None if model._init_seed is None else
-                initialisation_seed(model._init_seed, model.model_id, self.stage, self.tp_rank))
+                initialisation_seed(model._init_seed, model.model_id, self.stage))
         kept = place_on_rank(model.module, model.model_id, partition, self.server,
                              loading=bool(model._after_placement), seed=seed)
         self.resident_bytes[model.model_id] = kept

@@ -15,8 +15,8 @@ anything is traced or placed. Weights loaded on rank 0 alone reach every rank to
   copy (smpart's gloo group), so a rank that holds the model on its GPU is served too.
 - Tensors on the meta device have no values yet: each rank initialises its own stage's modules at
   placement (`placement.place_on_rank`). That initialisation draws from a generator seeded with
-  rank 0's seed, the model and the stage (`initialisation_seed`), so the replicas of a stage draw
-  the same values while different stages still differ.
+  rank 0's seed, the model and the stage (`initialisation_seed`), so every rank holding a stage
+  (its replicas, its tensor-parallel ranks) draws the same values, while different stages differ.
 
 Before that, the ranks agree that they hold the same models, tensor by tensor
 (names, shapes, dtypes, which are on the meta device; `check_same_models`): a digest's max and
@@ -85,10 +85,11 @@ def share_random_state(group: Any, src: int, device: torch.device, timeout_s: fl
         torch.cuda.set_rng_state(flat[cpu_size:], device)
 
 
-def initialisation_seed(base: int, model_id: int, stage: int, tp_rank: int) -> int:
-    """The seed of a stage's first values when its modules come from the meta device: the same on
-    every replica of the stage, another for each stage and tensor-parallel rank (shards differ)."""
-    digest = hashlib.sha256(f"{base}/{model_id}/{stage}/{tp_rank}".encode()).digest()
+def initialisation_seed(base: int, model_id: int, stage: int) -> int:
+    """The seed of a stage's first values when its modules come from the meta device: another for
+    each stage, the same on every rank that holds the stage (its replicas and its tensor-parallel
+    ranks, whose modules kept whole must agree)."""
+    digest = hashlib.sha256(f"{base}/{model_id}/{stage}".encode()).digest()
     return int.from_bytes(digest[:8], "little") % 2**63
 
 
@@ -114,9 +115,9 @@ def check_same_models(models: list[Any], group: Any, timeout_s: float) -> None:
         raise SmpartError(
             f"the ranks hold different models (DistributedModel {numbers}: their parameters' and buffers' "
             "names, shapes, dtypes or meta-ness differ between ranks). Every rank must build the same "
-            "models in the same order, all of them materialised or all on the meta device: a rank keeps "
-            "its own stage's weights, so weights loaded on one rank alone would not reach the others "
-            "(load them on every rank, or smpart.load_checkpoint after building on meta)")
+            "models in the same order, all of them materialised (rank 0's values then reach every rank) "
+            "or all on the meta device (then load weights with smpart.load_checkpoint): a rank that "
+            "built on meta has nowhere to take rank 0's values")
 
 
 def _buckets(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:

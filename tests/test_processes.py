@@ -277,6 +277,71 @@ def test_eval_mode_set_on_the_first_rank_alone_holds_on_every_stage():
         assert dropout_training == [False, True]
 
 
+# ---------------------------------------------------------------------------- one model, several inits
+def _one_model_under_three_inits(rank):
+    """The same model and Adam optimizer trained under pp=2, then pp=1 x dp=2, then pp=2 again
+    (``init`` -> ``shutdown`` -> ``init`` between them), against the unsplit model and Adam."""
+    torch.manual_seed(0)
+    built = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).double()
+    reference = copy.deepcopy(built)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    model = smpart.DistributedModel(built)
+
+    @smpart.step
+    def step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randint(4, (4,), generator=g))
+               for _ in range(6)]
+    opt = None
+    loss_diff = 0.0
+    for pp, steps in ((2, batches[:2]), (1, batches[2:4]), (2, batches[4:])):
+        smpart.init(pipeline_parallel_degree=pp, microbatches=2, timeout_s=60)
+        if opt is None:
+            opt = smpart.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+        per_replica = 4 // smpart.dp_size()
+        mine = slice(smpart.dp_rank() * per_replica, (smpart.dp_rank() + 1) * per_replica)
+        for x, y in steps:
+            loss = step(model, x[mine], y[mine]).reduce_mean().item()
+            expected = F.cross_entropy(reference(x[mine]), y[mine]).item()
+            F.cross_entropy(reference(x), y).backward()
+            loss_diff = max(loss_diff, abs(loss - expected))
+            for optimizer in (opt, ref_opt):
+                optimizer.step()
+                optimizer.zero_grad()
+        full = model.state_dict()
+        smpart.shutdown()
+    state_diff = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    return loss_diff, state_diff
+
+
+@pytest.mark.timeout(120)
+def test_one_model_and_optimizer_go_on_training_under_another_init():
+    """Each rank kept only its stage of the model and of the optimizer's state; under the next
+    init every rank takes the rest from the ranks that kept it, as on threads, where nothing was
+    released: the model trains on as the unsplit one (a stage had started afresh, silently)."""
+    for loss_diff, state_diff in values(run_ranks(_one_model_under_three_inits, 2, timeout_s=110)):
+        assert loss_diff <= TOL and state_diff <= TOL, (loss_diff, state_diff)
+
+
+def _tensor_parallel_then_pipeline(rank):
+    smpart.init(tensor_parallel_degree=2, microbatches=1, timeout_s=30)
+    model = smpart.DistributedModel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)))
+    error_of_a_step(model, torch.ones(2, 4))
+    smpart.shutdown()
+    smpart.init(pipeline_parallel_degree=2, microbatches=1, timeout_s=30)
+    return error_of_a_step(model, torch.ones(2, 4))
+
+
+@pytest.mark.timeout(90)
+def test_a_model_split_for_tensor_parallelism_under_an_earlier_init_says_to_use_a_checkpoint():
+    for text in values(run_ranks(_tensor_parallel_then_pipeline, 2, timeout_s=80)):
+        assert "split for tensor parallelism under an earlier smpart.init" in text, text
+
+
 # ---------------------------------------------------------------------------- SMPART_DEBUG
 @smpart.step
 def _mse_step(model, x, y):

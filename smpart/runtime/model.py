@@ -29,11 +29,6 @@ def model_by_id(model_id: int) -> DistributedModel | None:
     return _models.get(model_id)
 
 
-def models_not_agreed() -> list[DistributedModel]:
-    """The models whose copies have not yet taken the first rank's values, in creation order."""
-    return [model for _, model in sorted(_models.items()) if not model._agreed]
-
-
 class DistributedModel:
     """``smpart.DistributedModel(model)``: pass it to an ``@smpart.step`` function and call it there."""
 
@@ -56,6 +51,9 @@ class DistributedModel:
         self._agreed = False
         #: Rank 0's seed, for modules initialised at placement from the meta device (`replicas`).
         self._init_seed: int | None = None
+        #: Whether a placement on processes left this rank's copy not whole: other stages' tensors
+        #: released to meta, layers split into shards (`replicas.make_whole`).
+        self._released = False
 
     # ================================================================ running
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -22,6 +23,17 @@ _optimizers: weakref.WeakValueDictionary[int, DistributedOptimizer] = weakref.We
 
 def optimizer_by_id(optimizer_id: int) -> DistributedOptimizer | None:
     return _optimizers.get(optimizer_id)
+
+
+def optimizers_over(params: Iterable[torch.Tensor]) -> list[DistributedOptimizer]:
+    """The optimizers that step any of ``params``, in creation order."""
+    wanted = {id(p) for p in params}
+    found = []
+    for _, optimizer in sorted(_optimizers.items()):
+        optimizer._adopt_replaced_parameters()
+        if any(id(p) in wanted for group in optimizer.param_groups for p in group["params"]):
+            found.append(optimizer)
+    return found
 
 
 class DistributedOptimizer(torch.optim.Optimizer):

@@ -259,6 +259,20 @@ def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
         yield
 
 
+def fill_released(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    """Give tensors this rank released to the meta device (by qualified name) the values another
+    rank kept (`replicas.make_whole`): parameters stay the objects optimizers hold."""
+    _index_owners(model)
+    for name, value in values.items():
+        prefix, _, attr = name.rpartition(".")
+        module = model.get_submodule(prefix)
+        param = module._parameters.get(attr)
+        if param is not None:
+            _swap_in(module, attr, param, nn.Parameter(value, param.requires_grad))
+        else:
+            module._buffers[attr] = value
+
+
 def _release_own_tensors(module: nn.Module, seen: set[int]) -> None:
     for name, param in list(module._parameters.items()):
         if param is None or id(param) in seen or param.device.type == "meta":

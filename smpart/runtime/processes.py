@@ -55,6 +55,7 @@ from smpart.runtime.replicas import (
     check_same_models,
     initialisation_seed,
     make_replicas_agree,
+    make_whole,
     share_random_state,
 )
 from smpart.runtime.stage import POLL_S, StageServer
@@ -232,7 +233,7 @@ class ProcessRuntime:
             step = self.steps_taken
             self.transport.step = step
             try:
-                self._make_replicas_agree()
+                self._start_alike(pieces)
                 if self.is_driver:
                     self.states.before_step(step)  # its parameters hold still until the step begins
                     return self._drive(step, fn, pieces)
@@ -393,19 +394,29 @@ class ProcessRuntime:
                               "same size, since their gradients are averaged")
 
     # ================================================================ placement
-    def _make_replicas_agree(self) -> None:
-        """Models new since the last step are the same on every rank and take rank 0's values
-        (`replicas`); a stage's tensor-parallel ranks take the first one's random state."""
-        from smpart.runtime.model import models_not_agreed
+    def _start_alike(self, pieces: list[tuple[tuple, dict]]) -> None:
+        """The step's model, at its first step under this ``init``: whole again on every rank if an
+        earlier init's placement left each rank a part; the same on every rank, with rank 0's
+        values, if it is new (`replicas`). Every step: a stage's tensor-parallel ranks take the
+        first one's random state. (The model is the step's argument, the same on every rank; the
+        models alive are not, as one rank may not have collected garbage another has.)"""
+        from smpart.runtime.model import DistributedModel
+        from smpart.runtime.optimizer import optimizers_over
 
-        new = models_not_agreed()
-        check_same_models(new, self.setup.collective_group, self.config.timeout_s)
-        make_replicas_agree(new, self.setup.collective_group, self.config.timeout_s)
-        for model in new:
-            model._agreed = True
+        group, timeout_s = self.setup.collective_group, self.config.timeout_s
+        args, kwargs = pieces[0] if pieces else ((), {})
+        model = next((v for v in (*args, *kwargs.values()) if isinstance(v, DistributedModel)), None)
+        if model is not None and model._runtime is not self:
+            if model._released:
+                make_whole([model], optimizers_over(model.module.parameters()), group, timeout_s)
+                model._released = False
+            if not model._agreed:
+                check_same_models([model], group, timeout_s)
+                make_replicas_agree([model], group, timeout_s)
+                model._agreed = True
         if self.layout.tp > 1:  # every step: a rank may have drawn alone between steps
             share_random_state(self.setup.tp_group, self.layout.rank_of(self.stage, self.dp_rank, 0),
-                               self.setup.device, self.config.timeout_s)
+                               self.setup.device, timeout_s)
 
     def ensure_placed(self, model: DistributedModel, args: tuple, kwargs: dict) -> None:
         """On the driver's rank, at the model's first call: partition, send it to every rank, place."""
@@ -475,6 +486,8 @@ class ProcessRuntime:
                 initialisation_seed(model._init_seed, model.model_id, self.stage))
         kept = place_on_rank(model.module, model.model_id, partition, self.server,
                              loading=bool(model._after_placement), seed=seed)
+        # every rank released the other stages' tensors, or split layers into its shards
+        model._released = self.num_stages > 1 or self.layout.tp > 1
         self.resident_bytes[model.model_id] = kept
         model._partition = partition
         model._runtime = self

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,10 +65,76 @@ def make_replicas_agree(models: list[Any], group: Any, timeout_s: float) -> None
     _wait(dist.broadcast(seed, src=0, group=group, async_op=True), timeout_s, "rank 0's seed")
     for model in models:
         # A tensor-parallel layer the user built holds its own shard (a DTensor): not a copy
-        tensors = [t for _, t in _tensors(model.module) if not t.is_meta and not isinstance(t, DTensor)]
-        for bucket in _buckets(tensors):
-            _broadcast(bucket, group, timeout_s)
+        named = [(n, t) for n, t in _tensors(model.module) if not t.is_meta and not isinstance(t, DTensor)]
+        for bucket in _buckets(named):
+            _broadcast([t for _, t in bucket], group, timeout_s)
         model._init_seed = int(seed.item())
+
+
+def make_whole(models: list[Any], optimizers: list[Any], group: Any, timeout_s: float) -> None:
+    r"""Models placed under an earlier ``init`` (each rank kept only its stage's tensors, the rest
+    released to the meta device) become whole on every rank of ``group`` again, as they were before
+    placement, and so does the state of ``optimizers`` (`DistributedOptimizer`\ s over them): every
+    tensor comes from the lowest rank that kept it. Then the next placement, in any layout, keeps
+    what it needs, as on threads, where nothing was ever released."""
+    for model in models:
+        if any(isinstance(t, DTensor) for _, t in _tensors(model.module)):
+            raise SmpartError(f"DistributedModel #{model.model_id} was split for tensor parallelism under "
+                              "an earlier smpart.init: to run it under another, save a checkpoint before "
+                              "smpart.shutdown() (smpart.save_checkpoint) and load it into a model built "
+                              "anew")
+    for optimizer in optimizers:
+        if optimizer._sharded is not None:
+            raise SmpartError("this DistributedOptimizer's state was sharded over data-parallel replicas "
+                              "(shard_optimizer_state) under an earlier smpart.init: to go on under "
+                              "another, save a checkpoint before smpart.shutdown() (smpart.save_checkpoint) "
+                              "and load it")
+    # The optimizers' states first: which parameters a rank holds decides which state it sends.
+    states = [_gathered_state(optimizer, group, timeout_s) for optimizer in optimizers]
+    for model in models:
+        _fill_from_owners(model, group, timeout_s)
+    for optimizer, state in zip(optimizers, states, strict=True):
+        full = optimizer.optimizer.state_dict()
+        optimizer.optimizer.load_state_dict({**full, "state": state})
+        optimizer._loaded_before_placement = True  # the next placement drops the others' again
+
+
+def _gathered_state(optimizer: Any, group: Any, timeout_s: float) -> dict[int, Any]:
+    """The optimizer's state of every parameter, from the ranks that hold them (on the CPU)."""
+    mine = {i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+            for i, entry in optimizer.local_state_dict()["state"].items()}
+    parts = _all_gather_objects(mine, group, timeout_s, "the optimizer's state")
+    state: dict[int, Any] = {}
+    for part in reversed(parts):  # the lowest rank's entry last: it wins
+        state.update(part)
+    return dict(sorted(state.items()))
+
+
+def _fill_from_owners(model: Any, group: Any, timeout_s: float) -> None:
+    from smpart.runtime.placement import fill_released
+
+    named = list(_tensors(model.module))
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    owners = torch.tensor([world if t.is_meta else rank for _, t in named], dtype=torch.int64)
+    _wait(dist.all_reduce(owners, op=dist.ReduceOp.MIN, group=group, async_op=True), timeout_s,
+          "who holds the model's tensors")
+    filled: dict[str, torch.Tensor] = {}
+    for owner in sorted(set(owners.tolist()) - {world}):  # world: on meta everywhere, left so
+        held = [(name, t) for (name, t), o in zip(named, owners.tolist(), strict=True) if o == owner]
+        for bucket in _buckets(held):
+            tensors = [t for _, t in bucket]
+            if rank == owner:
+                flat = _flatten_dense_tensors([t.detach().to("cpu") for t in tensors])
+            else:
+                flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
+            _wait(dist.broadcast(flat, src=owner, group=group, async_op=True), timeout_s,
+                  "the model's values")
+            offset = 0
+            for name, t in bucket:
+                if t.is_meta:
+                    filled[name] = flat[offset:offset + t.numel()].view(t.shape).clone()
+                offset += t.numel()
+    fill_released(model.module, filled)
 
 
 def share_random_state(group: Any, src: int, device: torch.device, timeout_s: float) -> None:
@@ -120,18 +187,19 @@ def check_same_models(models: list[Any], group: Any, timeout_s: float) -> None:
             "built on meta has nowhere to take rank 0's values")
 
 
-def _buckets(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
+def _buckets(named: list[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``(name, tensor)`` pairs in buckets of one dtype and at most `BUCKET_BYTES`, in order."""
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        by_dtype.setdefault(t.dtype, []).append((name, t))
     for same in by_dtype.values():
-        bucket: list[torch.Tensor] = []
+        bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
-        for t in same:
+        for name, t in same:
             if bucket and size + t.numel() * t.element_size() > BUCKET_BYTES:
                 yield bucket
                 bucket, size = [], 0
-            bucket.append(t)
+            bucket.append((name, t))
             size += t.numel() * t.element_size()
         if bucket:
             yield bucket
@@ -145,6 +213,20 @@ def _broadcast(bucket: list[torch.Tensor], group: Any, timeout_s: float) -> None
     with torch.no_grad():
         for t, value in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
             t.copy_(value)
+
+
+def _all_gather_objects(obj: Any, group: Any, timeout_s: float, what: str) -> list[Any]:
+    """Every rank's ``obj`` (pickled), as ``all_gather_object``, but with every wait bounded."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    _wait(dist.all_gather(sizes, torch.tensor([data.numel()]), group=group, async_op=True), timeout_s, what)
+    most = int(max(sizes).item())
+    padded = torch.zeros(most, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    out = [torch.empty(most, dtype=torch.uint8) for _ in range(world)]
+    _wait(dist.all_gather(out, padded, group=group, async_op=True), timeout_s, what)
+    return [pickle.loads(o[:int(n.item())].numpy().tobytes()) for o, n in zip(out, sizes, strict=True)]
 
 
 def _wait(work: Any, timeout_s: float, what: str) -> None:

@@ -21,6 +21,7 @@ leave it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import itertools
 import math
@@ -408,6 +409,7 @@ class ProcessRuntime:
         model = next((v for v in (*args, *kwargs.values()) if isinstance(v, DistributedModel)), None)
         if model is not None and model._runtime is not self:
             if model._released:
+                gc.collect()  # an optimizer left for garbage on one rank only would pair nothing
                 make_whole([model], optimizers_over(model.module.parameters()), group, timeout_s)
                 model._released = False
             if not model._agreed:

@@ -7,9 +7,9 @@ biases); under pipeline parallelism alone each rank keeps its own stage from its
 script that seeds each rank differently (``torch.manual_seed(seed + rank)``, common for data
 order and dropout) builds different copies: replicas would train apart silently, and the model
 trained would be a mix of copies. So, as DDP does when it wraps a model, smpart gives every rank
-the first rank's values, once per model, whatever the layout: at the start of the first step
-after the model was made (every rank calls the step function, so every rank is there), before
-anything is traced or placed. Weights loaded on rank 0 alone reach every rank too.
+the first rank's values, once per model, whatever the layout: at the start of the model's first
+step (the step's own model: every rank calls the step function with it, so every rank is there),
+before anything is traced or placed. Weights loaded on rank 0 alone reach every rank too.
 
 - Tensors already materialised are broadcast from rank 0, in buckets of one dtype, through a CPU
   copy (smpart's gloo group), so a rank that holds the model on its GPU is served too.
@@ -32,6 +32,11 @@ state (the CPU's and their GPU's); they draw the same numbers in the same order 
 they run the same modules on shards of one size. Dropout inside a sharded region (attention heads)
 then masks each rank's shard alike: valid masks, correlated across shards, where Megatron keeps a
 second generator for those regions.
+
+A model placed under an earlier ``init`` left each rank only its own stage (`make_whole`): at its
+first step under the next ``init`` every rank takes back the tensors it released, and its
+optimizer's state, from the lowest rank that kept each, so the next placement, in any layout,
+starts from the trained model, as on threads, where nothing was ever released.
 
 Every wait is bounded by ``timeout_s``.
 """

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from smpart.config import Config
 from smpart.errors import ConfigError, PartitionError
@@ -197,7 +198,7 @@ def _materialise_own_tensors(module: nn.Module, device: torch.device, seen: set[
         size += param.numel() * param.element_size()
         if param.device.type == "meta":
             fresh = True
-            _swap_in(module, name, param, nn.Parameter(_unset(param, device), param.requires_grad))
+            _swap_in(module, name, param, nn.Parameter(_unset_like(param, device), param.requires_grad))
         elif param.device != device:
             param.data = param.data.to(device)
     for key, buffer in module._buffers.items():
@@ -206,6 +207,16 @@ def _materialise_own_tensors(module: nn.Module, device: torch.device, seen: set[
             module._buffers[key] = (_unset(buffer, device) if buffer.device.type == "meta"
                                     else buffer.to(device))
     return size, fresh
+
+
+def _unset_like(param: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`_unset` for a parameter; a tensor-parallel shard (a DTensor on meta) stays a DTensor on
+    its mesh, its own shard made on ``device``."""
+    if isinstance(param, DTensor):
+        local = _unset(param.to_local(), device)
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return _unset(param, device)
 
 
 def _unset(like: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -217,10 +228,17 @@ def _unset(like: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _unset_left(module: nn.Module) -> bool:
-    """Whether one of the module's own tensors is still all NaN (`_unset`): nothing initialised it."""
-    own = (*module._parameters.values(), *module._buffers.values())
-    return any(t is not None and t.numel() and (t.dtype.is_floating_point or t.dtype.is_complex)
-               and bool(torch.isnan(t).all()) for t in own)
+    """Whether one of the module's own tensors is still all NaN (`_unset`): nothing initialised it
+    (a tensor-parallel shard: this rank's own part, no collective)."""
+    own = [t.to_local() if isinstance(t, DTensor) else t
+           for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+    return any(t.numel() and (t.dtype.is_floating_point or t.dtype.is_complex) and bool(torch.isnan(t).all())
+               for t in own)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    param = next(module.parameters(recurse=False))
+    return (param.to_local() if isinstance(param, DTensor) else param).device
 
 
 def _initialise(model: nn.Module, fresh: list[tuple[str, nn.Module]], loading: bool) -> None:
@@ -232,11 +250,16 @@ def _initialise(model: nn.Module, fresh: list[tuple[str, nn.Module]], loading: b
     hugging_face_init = getattr(model, "_init_weights", None)
     with torch.no_grad():
         for _, module in reversed(fresh):
-            reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+            # A tensor-parallel layer: the plain module it splits is initialised, then sharded
+            twin = module.plain_twin(_device_of(module)) if hasattr(module, "plain_twin") else None
+            target = module if twin is None else twin
+            reset = getattr(target, "reset_parameters", None) or getattr(target, "_reset_parameters", None)
             if callable(reset):  # torch's MultiheadAttention has only the private one
                 reset()
             if callable(hugging_face_init):  # its scheme, over torch's, for the modules it knows
-                hugging_face_init(module)
+                hugging_face_init(target)
+            if twin is not None:
+                module.take_values(twin)
     blank = [name or type(model).__name__ for name, module in fresh if _unset_left(module)]
     if blank and not loading:
         warnings.warn(f"smpart: {len(blank)} module(s) built on the meta device have no reset_parameters() "

@@ -173,13 +173,47 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 
 class _OnMesh:
-    """The tensor-parallel group of a layer, read from its mesh (a ProcessGroup cannot be deep-copied)."""
+    """The tensor-parallel group of a layer, read from its mesh (a ProcessGroup cannot be deep-copied),
+    and its first values when it was built on the meta device."""
 
     mesh: DeviceMesh
 
     @property
     def group(self) -> Any:
         return self.mesh.get_group()
+
+    def plain_twin(self, device: Any) -> nn.Module:
+        """An unsplit module of the kind this layer splits, its tensors made on ``device`` but not
+        initialised: what gives this layer its first values (`take_values`), so that any scheme
+        for the plain kind (its ``reset_parameters``, a Hugging Face model's ``_init_weights``)
+        initialises the split layer too."""
+        with torch.device("meta"):
+            twin = self._plain_kind()
+        return twin.to_empty(device=device)
+
+    def _plain_kind(self) -> nn.Module:
+        raise NotImplementedError
+
+    def take_values(self, twin: nn.Module) -> None:
+        """Keep this rank's shard of each of ``twin``'s tensors (every rank of the group computed the
+        same twin: the same seed, the same draws)."""
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        rank, size = self.mesh.get_local_rank(), self.mesh.size()
+        with torch.no_grad():
+            for name, param in self.named_parameters(recurse=False):
+                full = getattr(twin, name).detach()
+                (placement,) = param.placements
+                if isinstance(placement, Shard | _StridedShard):
+                    full = local_shard(full, placement.dim, rank, size, getattr(placement, "split_factor", 1))
+                param.to_local().copy_(full)
+
+    def reset_parameters(self) -> None:
+        """Initialise as the plain kind does, each rank keeping its shard."""
+        twin = self.plain_twin(self.weight.to_local().device)
+        twin.reset_parameters()
+        self.take_values(twin)
 
 
 class DistributedLinear(_OnMesh, nn.Module):
@@ -268,6 +302,15 @@ class DistributedLinear(_OnMesh, nn.Module):
         else:
             self.bias = split.get(bias, mesh, shard_placement(0, fused) if style == COLUMN else replicated(),
                                   where)
+
+    def _plain_kind(self) -> nn.Module:
+        bias = self.bias is not None
+        dtype = self.weight.dtype
+        if self.transposed:  # Hugging Face's Conv1D (weight [in, out]) has no bias switch
+            from transformers.pytorch_utils import Conv1D
+
+            return Conv1D(self.out_features, self.in_features).to(dtype)
+        return nn.Linear(self.in_features, self.out_features, bias, dtype=dtype)
 
     @property
     def local_in_features(self) -> int:
@@ -377,6 +420,10 @@ class DistributedEmbedding(_OnMesh, nn.Module):
         self.tp_size, self.tp_rank = degree, mesh.get_local_rank()
         placement = shard_placement(0 if style == VOCAB else 1)
         self.weight = _Shared(shared).get(module.weight, mesh, placement, where)
+
+    def _plain_kind(self) -> nn.Module:
+        return nn.Embedding(self.num_embeddings, self.embedding_dim, self.padding_idx,
+                            scale_grad_by_freq=self.scale_grad_by_freq, dtype=self.weight.dtype)
 
     @property
     def vocab_range(self) -> tuple[int, int]:

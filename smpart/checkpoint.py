@@ -533,13 +533,20 @@ def load_weights(model: Any, source: str | os.PathLike | Mapping[str, torch.Tens
     loads from whichever of its names the source has. Under processes each rank reads its own
     tensors, and a DTensor reads only its shard. ``strict``: raise `CheckpointError` naming every
     missing, unexpected or mis-shaped key (else skip them). Returns the names loaded.
+
+    A `DistributedModel` not placed yet (under ``torchrun``, or built on meta) is checked now and
+    read at its placement, as `load_checkpoint` does: until then a rank does not know what it
+    holds (a load into meta tensors went nowhere, silently).
     """
     layout = _layout(model)
+    deferred = _awaits_placement(model)
+    # Not placed yet, a rank does not know what it will hold: check against the whole model now
+    tensors = layout.module.state_dict() if deferred else layout.local
     store = _open_store(source)
     if store.dcp_prefix is not None and not prefix:
         prefix = store.dcp_prefix
     keys = set(store.keys())
-    groups = _tie_groups(layout.local)
+    groups = _tie_groups(tensors)
     wanted: dict[str, list[str]] = {}  # source key -> the local names it fills
     missing = []
     for names in groups:
@@ -550,8 +557,8 @@ def load_weights(model: Any, source: str | os.PathLike | Mapping[str, torch.Tens
             wanted[found] = names
     known = {prefix + n for n in layout.all_names}
     unexpected = sorted(k for k in keys if k.startswith(prefix) and k not in known)
-    wrong = [f"{k}: source {store.shape(k)}, model {tuple(layout.local[n[0]].shape)}"
-             for k, n in wanted.items() if store.shape(k) != tuple(layout.local[n[0]].shape)]
+    wrong = [f"{k}: source {store.shape(k)}, model {tuple(tensors[n[0]].shape)}"
+             for k, n in wanted.items() if store.shape(k) != tuple(tensors[n[0]].shape)]
     if strict and (missing or unexpected or wrong):
         problems = [f"{label}: {_some(items)}" for label, items in
                     (("missing from the source", missing), ("not in the model", unexpected),
@@ -561,6 +568,9 @@ def load_weights(model: Any, source: str | os.PathLike | Mapping[str, torch.Tens
                               "prefix= (source keys = prefix + the model's names) or strict=False")
     bad = {w.split(":")[0] for w in wrong}
     todo = {k: names for k, names in wanted.items() if k not in bad}
+    if deferred:  # as load_checkpoint: each rank reads what it will hold once placed
+        model._after_placement.append(lambda: load_weights(model, source, prefix=prefix, strict=strict))
+        return sorted(n for names in todo.values() for n in names)
     with torch.no_grad():
         for key, names in todo.items():
             target = layout.local[names[0]]
@@ -579,6 +589,8 @@ def _tie_groups(local: dict[str, torch.Tensor]) -> list[list[str]]:
 
 def _storage_key(t: torch.Tensor) -> tuple:
     local = t.to_local() if _is_dtensor(t) else t
+    if local.is_meta:  # no storage: a tied weight is one object
+        return (id(t),)
     try:
         return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.dtype)
     except (RuntimeError, NotImplementedError):
@@ -604,8 +616,7 @@ class _Store:
 
     def copy_into(self, key: str, target: torch.Tensor) -> None:
         if _is_dtensor(target):
-            index = _local_index(target)
-            target.to_local().copy_(self.read(key, index))
+            target.to_local().copy_(_local_part(target, lambda index: self.read(key, index)))
         else:
             target.copy_(self.read(key, None))
 
@@ -720,6 +731,24 @@ def _file_store(files: list[Path], where: str) -> _Store:
             raise CheckpointError(f"{file} holds a {type(loaded).__name__}, not a state dict of tensors")
         tensors.update(loaded)
     return _DictStore(tensors, where)
+
+
+def _local_part(target: torch.Tensor, read: Any) -> torch.Tensor:
+    """What a DTensor's local shard holds of the global tensor, ``read(index)`` reading a slice of
+    it (None: all). A fused q/k/v shard (``_StridedShard``) is this rank's slice of each part, not
+    one slice: it is cut from the whole tensor."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from smpart.tensor_parallel.layers import local_shard
+
+    strided = [p for p in target.placements if isinstance(p, _StridedShard)]
+    if not strided:
+        return read(_local_index(target))
+    if len(target.placements) != 1:
+        raise CheckpointError("a fused (strided) shard on a mesh of more than one dimension cannot be read "
+                              "from this source; load a checkpoint (smpart.load_checkpoint) instead")
+    mesh, (placement,) = target.device_mesh, strided
+    return local_shard(read(None), placement.dim, mesh.get_local_rank(), mesh.size(), placement.split_factor)
 
 
 def _local_index(target: torch.Tensor) -> tuple[slice, ...]:

@@ -301,6 +301,27 @@ def test_load_weights_names_every_problem_unless_not_strict():
         load_weights(target, "/nonexistent/weights.safetensors")
 
 
+def test_weights_loaded_into_a_model_built_on_meta_reach_it_at_its_placement_on_threads():
+    """They went into the meta tensors, nowhere: the stages started from their initial values."""
+    import smpart
+
+    torch.manual_seed(0)
+
+    def make():
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    plain = make()
+    with torch.device("meta"):
+        model = smpart.DistributedModel(make())
+    smpart.init(pipeline_parallel_degree=2, microbatches=2)
+    try:
+        assert load_weights(model, plain.state_dict()) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        x = torch.randn(4, 4)
+        assert torch.equal(smpart.step(lambda model, x: model(x))(model, x).concat(), plain(x))
+    finally:
+        smpart.shutdown()
+
+
 def test_a_model_built_on_meta_loads_a_checkpoint_at_its_placement_on_threads(tmp_path):
     """The load waits for the placement, which makes each stage's tensors (it wrote nothing into
     the meta tensors and left the initial values: 0.91 off the saved model's outputs)."""

@@ -272,10 +272,12 @@ def _gpt2_config():
     return transformers.GPT2Config(n_embd=32, n_layer=4, n_head=2, vocab_size=64, n_positions=32)
 
 
-def _meta_built_and_split(rank, checkpoint):
-    """A Hugging Face GPT-2 built on meta, on 2 stages x 2 tensor-parallel ranks: from scratch (its
-    split layers initialised by its own scheme, each rank keeping its shard), then loading a
-    checkpoint of a plain model; the losses, in eval mode, and the split weights' spread."""
+def _meta_built_and_split(rank, checkpoint, pretrained):
+    """A Hugging Face GPT-2 on 2 stages x 2 tensor-parallel ranks: built on meta from scratch (its
+    split layers initialised by its own scheme, each rank keeping its shard), then filled by a
+    checkpoint of a plain model, by that model's own weights (``save_pretrained``) before the
+    first step, and, built for real, by those weights once placed; the losses, in eval mode, and
+    the split weights' spread from scratch."""
     import warnings
 
     import transformers
@@ -288,16 +290,22 @@ def _meta_built_and_split(rank, checkpoint):
         return model(input_ids=ids, labels=ids).loss
 
     losses, spread = [], None
-    for load in (False, True):
-        with torch.device("meta"):
+    for how in ("scratch", "checkpoint", "weights before placement", "weights once placed"):
+        torch.manual_seed(rank + 10)  # a real build differs from the saved model
+        with torch.device("cpu" if how == "weights once placed" else "meta"):
             model = smpart.DistributedModel(transformers.GPT2LMHeadModel(_gpt2_config()).eval())
-        if load:
+        if how == "checkpoint":
             smpart.load_checkpoint(checkpoint, model)
+        elif how == "weights before placement":
+            smpart.load_weights(model, pretrained)
+        elif how == "weights once placed":
+            loss_of(model, ids)
+            smpart.load_weights(model, pretrained)  # a fused q/k/v shard is not one slice
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             losses.append(loss_of(model, ids).reduce_mean().item())
         assert not [w for w in caught if "uninitialised" in str(w.message)], [str(w.message) for w in caught]
-        if not load:
+        if how == "scratch":
             full = model.state_dict()  # gathers the shards
             spread = torch.cat([v.flatten() for k, v in full.items() if k.endswith("mlp.c_fc.weight")]).std()
     smpart.shutdown()
@@ -307,8 +315,9 @@ def _meta_built_and_split(rank, checkpoint):
 @pytest.mark.timeout(120)
 def test_a_hugging_face_model_built_on_meta_is_split_initialised_and_loaded(tmp_path):
     """Built on meta, a tensor-parallel layer used to stay a plain tensor on its rank (its forward
-    failed), and had no way to be initialised: now each rank makes its shard, initialised as the
-    unsplit layer would be by the model's own scheme, or filled by a checkpoint."""
+    failed) with no way to be initialised, and weights loaded with load_weights before the first
+    step went nowhere; a fused q/k/v shard read them as one slice. Now each rank makes its
+    shards, initialised as the unsplit layers would be by the model's own scheme, or filled."""
     import math
 
     import transformers
@@ -316,13 +325,14 @@ def test_a_hugging_face_model_built_on_meta_is_split_initialised_and_loaded(tmp_
     torch.manual_seed(0)
     plain = transformers.GPT2LMHeadModel(_gpt2_config()).eval()
     smpart.save_checkpoint(tmp_path / "plain", plain)
+    plain.save_pretrained(tmp_path / "pretrained")
     ids = torch.randint(64, (4, 12), generator=torch.Generator().manual_seed(0))
     expected = plain(input_ids=ids, labels=ids).loss.item()
-    for (scratch, loaded), spread in values(run_ranks(_meta_built_and_split, 4, tmp_path / "plain",
-                                                      timeout_s=110)):
+    for (scratch, *loaded), spread in values(run_ranks(_meta_built_and_split, 4, tmp_path / "plain",
+                                                       tmp_path / "pretrained", timeout_s=110)):
         assert abs(scratch - math.log(64)) < 0.1, scratch  # small random weights: a uniform guess
         assert 0.015 < spread < 0.025, spread  # GPT-2's initializer_range, 0.02, in the split layers
-        assert abs(loaded - expected) < 1e-5, (loaded, expected)
+        assert all(abs(loss - expected) < 1e-5 for loss in loaded), (loaded, expected)
 
 
 def _sharded_optimizer_state(rank, pp, tp):

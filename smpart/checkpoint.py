@@ -541,7 +541,7 @@ def load_weights(model: Any, source: str | os.PathLike | Mapping[str, torch.Tens
     layout = _layout(model)
     deferred = _awaits_placement(model)
     # Not placed yet, a rank does not know what it will hold: check against the whole model now
-    tensors = layout.module.state_dict() if deferred else layout.local
+    tensors = layout.module.state_dict(keep_vars=True) if deferred else layout.local  # tied: one object
     store = _open_store(source)
     if store.dcp_prefix is not None and not prefix:
         prefix = store.dcp_prefix

@@ -11,6 +11,7 @@ the parameters keep working) and install a `StagedForward` that routes calls to 
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -18,7 +19,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from smpart.config import Config
 from smpart.errors import ConfigError, PartitionError
@@ -212,7 +212,9 @@ def _materialise_own_tensors(module: nn.Module, device: torch.device, seen: set[
 def _unset_like(param: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`_unset` for a parameter; a tensor-parallel shard (a DTensor on meta) stays a DTensor on
     its mesh, its own shard made on ``device``."""
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
+        from torch.distributed.tensor import DTensor
+
         local = _unset(param.to_local(), device)
         return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
@@ -230,7 +232,7 @@ def _unset(like: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _unset_left(module: nn.Module) -> bool:
     """Whether one of the module's own tensors is still all NaN (`_unset`): nothing initialised it
     (a tensor-parallel shard: this rank's own part, no collective)."""
-    own = [t.to_local() if isinstance(t, DTensor) else t
+    own = [t.to_local() if is_dtensor(t) else t
            for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
     return any(t.numel() and (t.dtype.is_floating_point or t.dtype.is_complex) and bool(torch.isnan(t).all())
                for t in own)
@@ -238,7 +240,14 @@ def _unset_left(module: nn.Module) -> bool:
 
 def _device_of(module: nn.Module) -> torch.device:
     param = next(module.parameters(recurse=False))
-    return (param.to_local() if isinstance(param, DTensor) else param).device
+    return (param.to_local() if is_dtensor(param) else param).device
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (a tensor-parallel shard), without importing DTensor's module
+    (~1 s) in a job that never made one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def _initialise(model: nn.Module, fresh: list[tuple[str, nn.Module]], loading: bool) -> None:

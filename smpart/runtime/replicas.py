@@ -53,9 +53,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.tensor import DTensor
 
 from smpart.errors import SmpartError
+from smpart.runtime.placement import fill_released, is_dtensor
 
 #: Bytes per broadcast: the CPU copy made for it is at most this large.
 BUCKET_BYTES = 64 * 2**20
@@ -70,7 +70,7 @@ def make_replicas_agree(models: list[Any], group: Any, timeout_s: float) -> None
     _wait(dist.broadcast(seed, src=0, group=group, async_op=True), timeout_s, "rank 0's seed")
     for model in models:
         # A tensor-parallel layer the user built holds its own shard (a DTensor): not a copy
-        named = [(n, t) for n, t in _tensors(model.module) if not t.is_meta and not isinstance(t, DTensor)]
+        named = [(n, t) for n, t in _tensors(model.module) if not t.is_meta and not is_dtensor(t)]
         for bucket in _buckets(named):
             _broadcast([t for _, t in bucket], group, timeout_s)
         model._init_seed = int(seed.item())
@@ -83,7 +83,7 @@ def make_whole(models: list[Any], optimizers: list[Any], group: Any, timeout_s: 
     tensor comes from the lowest rank that kept it. Then the next placement, in any layout, keeps
     what it needs, as on threads, where nothing was ever released."""
     for model in models:
-        if any(isinstance(t, DTensor) for _, t in _tensors(model.module)):
+        if any(is_dtensor(t) for _, t in _tensors(model.module)):
             raise SmpartError(f"DistributedModel #{model.model_id} was split for tensor parallelism under "
                               "an earlier smpart.init: to run it under another, save a checkpoint before "
                               "smpart.shutdown() (smpart.save_checkpoint) and load it into a model built "
@@ -116,8 +116,6 @@ def _gathered_state(optimizer: Any, group: Any, timeout_s: float) -> dict[int, A
 
 
 def _fill_from_owners(model: Any, group: Any, timeout_s: float) -> None:
-    from smpart.runtime.placement import fill_released
-
     named = list(_tensors(model.module))
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     owners = torch.tensor([world if t.is_meta else rank for _, t in named], dtype=torch.int64)

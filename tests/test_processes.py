@@ -661,6 +661,50 @@ def test_ranks_that_build_different_models_are_told_so_before_anything_is_placed
         assert "the ranks hold different models (DistributedModel #" in text, text
 
 
+def _batch_norm_replicas(rank, broadcast_buffers):
+    """Replicas train a BatchNorm model on differently distributed data, then evaluate one input."""
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60)
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                 torch.nn.Linear(16, 4), torch.nn.BatchNorm1d(4))
+    model = smpart.DistributedModel(module, broadcast_buffers=broadcast_buffers)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smpart.step
+    def train(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    @smpart.step
+    def evaluate(model, x):
+        return model(x)
+
+    g = torch.Generator().manual_seed(smpart.dp_rank())
+    for _ in range(3):
+        scale = 1 + smpart.dp_rank()  # each replica's data has its own spread
+        train(model, torch.randn(8, 8, generator=g) * scale, torch.randint(4, (8,), generator=g))
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        out = evaluate(model, torch.ones(4, 8)).concat()
+    replica = smpart.dp_rank()
+    smpart.shutdown()
+    return replica, out.tolist()
+
+
+@pytest.mark.timeout(120)
+def test_replicas_take_the_first_replicas_buffers_at_each_step_as_ddp_does():
+    """BatchNorm's running statistics: each replica's own data moved them apart, so the replicas
+    evaluated the same input differently; with broadcast_buffers (the default) every step starts
+    from the first replica's, and without it they stay apart."""
+    by_replica = dict(values(run_ranks(_batch_norm_replicas, 4, True, timeout_s=110)))
+    assert by_replica[0] == by_replica[1]
+    apart = dict(values(run_ranks(_batch_norm_replicas, 4, False, timeout_s=110)))
+    assert apart[0] == by_replica[0] and apart[1] != apart[0]
+
+
 @pytest.mark.timeout(90)
 def test_replicas_fed_batches_of_different_sizes_are_told_so():
     for text in values(run_ranks(_uneven_replicas, 2, timeout_s=80)):

@@ -30,15 +30,21 @@ def model_by_id(model_id: int) -> DistributedModel | None:
 
 
 class DistributedModel:
-    """``smpart.DistributedModel(model)``: pass it to an ``@smpart.step`` function and call it there."""
+    """``smpart.DistributedModel(model)``: pass it to an ``@smpart.step`` function and call it there.
 
-    def __init__(self, module: nn.Module) -> None:
+    ``broadcast_buffers`` (SMP's and DDP's switch, on by default): under data parallelism, each
+    step begins with every replica taking the first replica's buffers (BatchNorm's running
+    statistics), as DDP does before each forward, so that replicas evaluate alike.
+    """
+
+    def __init__(self, module: nn.Module, *, broadcast_buffers: bool = True) -> None:
         if isinstance(module, DistributedModel):
             raise SmpartError("this model is already a DistributedModel")
         if not isinstance(module, nn.Module):
             raise SmpartError(f"DistributedModel wraps a torch.nn.Module, got {type(module).__name__}")
         _refuse_compiled(module)
         self.module = module
+        self.broadcast_buffers = broadcast_buffers
         #: Models are numbered in creation order: every rank builds them in the same order.
         self.model_id = next(_model_ids)
         _models[self.model_id] = self

@@ -57,6 +57,7 @@ from smpart.runtime.replicas import (
     initialisation_seed,
     make_replicas_agree,
     make_whole,
+    share_buffers,
     share_random_state,
 )
 from smpart.runtime.stage import POLL_S, StageServer
@@ -398,9 +399,10 @@ class ProcessRuntime:
     def _start_alike(self, pieces: list[tuple[tuple, dict]]) -> None:
         """The step's model, at its first step under this ``init``: whole again on every rank if an
         earlier init's placement left each rank a part; the same on every rank, with rank 0's
-        values, if it is new (`replicas`). Every step: a stage's tensor-parallel ranks take the
-        first one's random state. (The model is the step's argument, the same on every rank; the
-        models alive are not, as one rank may not have collected garbage another has.)"""
+        values, if it is new (`replicas`). Every step: the replicas take the first one's buffers
+        (``broadcast_buffers``), and a stage's tensor-parallel ranks the first one's random state.
+        (The model is the step's argument, the same on every rank; the models alive are not, as
+        one rank may not have collected garbage another has.)"""
         from smpart.runtime.model import DistributedModel
         from smpart.runtime.optimizer import optimizers_over
 
@@ -416,6 +418,9 @@ class ProcessRuntime:
                 check_same_models([model], group, timeout_s)
                 make_replicas_agree([model], group, timeout_s)
                 model._agreed = True
+        if model is not None and model._runtime is self and model.broadcast_buffers and self.layout.dp > 1:
+            first_replica = self.layout.rank_of(self.stage, 0, self.tp_rank)
+            share_buffers(model, self.setup.dp_control_group, first_replica, timeout_s)
         if self.layout.tp > 1:  # every step: a rank may have drawn alone between steps
             share_random_state(self.setup.tp_group, self.layout.rank_of(self.stage, self.dp_rank, 0),
                                self.setup.device, timeout_s)

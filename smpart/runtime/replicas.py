@@ -38,6 +38,10 @@ first step under the next ``init`` every rank takes back the tensors it released
 optimizer's state, from the lowest rank that kept each, so the next placement, in any layout,
 starts from the trained model, as on threads, where nothing was ever released.
 
+Under data parallelism each step also begins with the replicas taking the first replica's
+buffers (`share_buffers`; ``DistributedModel(broadcast_buffers=True)``, SMP's switch): each
+replica's own data moves BatchNorm's running statistics, and replicas would evaluate apart.
+
 Every wait is bounded by ``timeout_s``.
 """
 
@@ -140,6 +144,23 @@ def _fill_from_owners(model: Any, group: Any, timeout_s: float) -> None:
     fill_released(model.module, filled)
 
 
+def share_buffers(model: Any, group: Any, src: int, timeout_s: float) -> None:
+    """Every rank of ``group`` (a stage's replicas) takes rank ``src``'s values of the model's
+    buffers it holds. A replica that has not placed the model yet (its first step failed before the
+    model was called) holds other buffers: then nobody takes any, this step."""
+    every = list(model.module.named_buffers())
+    if not every:  # the same on every rank (its released buffers included): nothing to agree on
+        return
+    held = [(name, b) for name, b in every if not b.is_meta]
+    count = torch.tensor([len(held), -len(held)], dtype=torch.int64)
+    _wait(dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout_s,
+          "the buffers held")
+    if not held or count[0].item() != -count[1].item():
+        return
+    for bucket in _buckets(held):
+        _broadcast([b for _, b in bucket], group, timeout_s, src)
+
+
 def share_random_state(group: Any, src: int, device: torch.device, timeout_s: float) -> None:
     """Every rank of ``group`` takes rank ``src``'s random state: the CPU's, and ``device``'s if a GPU."""
     parts = [torch.get_rng_state()]
@@ -208,10 +229,11 @@ def _buckets(named: list[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, 
             yield bucket
 
 
-def _broadcast(bucket: list[torch.Tensor], group: Any, timeout_s: float) -> None:
+def _broadcast(bucket: list[torch.Tensor], group: Any, timeout_s: float, src: int = 0) -> None:
+    """Every rank of ``group`` takes global rank ``src``'s values of ``bucket`` (one dtype)."""
     flat = _flatten_dense_tensors([t.detach().to("cpu") for t in bucket])
-    _wait(dist.broadcast(flat, src=0, group=group, async_op=True), timeout_s, "the model's values")
-    if dist.get_rank() == 0:
+    _wait(dist.broadcast(flat, src=src, group=group, async_op=True), timeout_s, "the model's values")
+    if dist.get_rank() == src:
         return
     with torch.no_grad():
         for t, value in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):

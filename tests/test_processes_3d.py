@@ -266,10 +266,11 @@ def test_a_model_with_its_authors_own_tensor_parallel_layers_trains_like_the_uns
         assert loss_diff <= TOL and state_diff <= TOL, (loss_diff, state_diff)
 
 
-def _gpt2_config():
+def _gpt2_config(dropout: bool = True):
     import transformers
 
-    return transformers.GPT2Config(n_embd=32, n_layer=4, n_head=2, vocab_size=64, n_positions=32)
+    off = {} if dropout else {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    return transformers.GPT2Config(n_embd=32, n_layer=4, n_head=2, vocab_size=64, n_positions=32, **off)
 
 
 def _meta_built_and_split(rank, checkpoint, pretrained):
@@ -333,6 +334,85 @@ def test_a_hugging_face_model_built_on_meta_is_split_initialised_and_loaded(tmp_
         assert abs(scratch - math.log(64)) < 0.1, scratch  # small random weights: a uniform guess
         assert 0.015 < spread < 0.025, spread  # GPT-2's initializer_range, 0.02, in the split layers
         assert all(abs(loss - expected) < 1e-5 for loss in loaded), (loaded, expected)
+
+
+def _a_whole_script(rank, pretrained, checkpoint):
+    """A user's script under torchrun, end to end, on 2 stages x 2 replicas: a Hugging Face model
+    built on meta (each rank seeded its own way) filled with pretrained weights, AdamW with a
+    warm-up schedule, global clipping, an evaluation, a checkpoint."""
+    import transformers
+
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60)
+    torch.manual_seed(100 + rank)
+    with torch.device("meta"):
+        model = smpart.DistributedModel(transformers.GPT2LMHeadModel(_gpt2_config(dropout=False)))
+    smpart.load_weights(model, pretrained)
+    opt = smpart.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+
+    @smpart.step
+    def train(model, ids):
+        out = model(input_ids=ids, labels=ids)
+        model.backward(out.loss)
+        return out.loss
+
+    @smpart.step
+    def evaluate(model, ids):
+        return model(input_ids=ids, labels=ids).loss
+
+    g = torch.Generator().manual_seed(smpart.dp_rank())
+    losses = []
+    for _ in range(4):
+        losses.append(train(model, torch.randint(64, (4, 12), generator=g)).reduce_mean().item())
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        schedule.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        evaluated = evaluate(model, torch.arange(24).view(2, 12) % 64).reduce_mean().item()
+    smpart.save_checkpoint(checkpoint, model, opt)
+    replica = smpart.dp_rank()
+    smpart.shutdown()
+    return replica, losses, evaluated
+
+
+@pytest.mark.timeout(120)
+def test_a_whole_training_script_under_torchrun_matches_the_plain_model_step_for_step(tmp_path):
+    import transformers
+
+    from smpart.checkpoint import load_checkpoint
+
+    torch.manual_seed(7)
+    pretrained = transformers.GPT2LMHeadModel(_gpt2_config(dropout=False))
+    pretrained.save_pretrained(tmp_path / "pretrained")
+    results = values(run_ranks(_a_whole_script, 4, tmp_path / "pretrained", tmp_path / "ckpt", timeout_s=110))
+    reference = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "pretrained")
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    generators = [torch.Generator().manual_seed(r) for r in range(2)]
+    expected: dict[int, list[float]] = {0: [], 1: []}
+    for _ in range(4):
+        batches = [torch.randint(64, (4, 12), generator=g) for g in generators]
+        halves = [[reference(input_ids=c, labels=c).loss for c in b.chunk(2)] for b in batches]
+        for replica, pair in enumerate(halves):
+            expected[replica].append(sum(loss.item() for loss in pair) / 2)
+        (sum(loss for pair in halves for loss in pair) / 4).backward()  # the replicas' average
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        opt.step()
+        schedule.step()
+        opt.zero_grad()
+    reference.eval()
+    with torch.no_grad():
+        ids = torch.arange(24).view(2, 12) % 64
+        evaluated = reference(input_ids=ids, labels=ids).loss.item()
+    for replica, losses, their_evaluation in results:
+        assert max(abs(a - b) for a, b in zip(losses, expected[replica], strict=True)) < 1e-5, replica
+        assert abs(their_evaluation - evaluated) < 1e-5
+    saved = transformers.GPT2LMHeadModel(_gpt2_config(dropout=False))
+    load_checkpoint(tmp_path / "ckpt", saved)
+    assert max((a - b).abs().max().item() for a, b in
+               zip(saved.state_dict().values(), reference.state_dict().values(), strict=True)) < 1e-5
 
 
 def _sharded_optimizer_state(rank, pp, tp):

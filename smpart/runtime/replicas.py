@@ -39,8 +39,9 @@ optimizer's state, from the lowest rank that kept each, so the next placement, i
 starts from the trained model, as on threads, where nothing was ever released.
 
 Under data parallelism each step also begins with the replicas taking the first replica's
-buffers (`share_buffers`; ``DistributedModel(broadcast_buffers=True)``, SMP's switch): each
-replica's own data moves BatchNorm's running statistics, and replicas would evaluate apart.
+buffers, those a state dict saves (`share_buffers`; ``DistributedModel(broadcast_buffers=True)``,
+SMP's switch): each replica's own data moves BatchNorm's running statistics, and replicas would
+evaluate apart.
 
 Every wait is bounded by ``timeout_s``.
 """
@@ -146,9 +147,9 @@ def _fill_from_owners(model: Any, group: Any, timeout_s: float) -> None:
 
 def share_buffers(model: Any, group: Any, src: int, timeout_s: float) -> None:
     """Every rank of ``group`` (a stage's replicas) takes rank ``src``'s values of the model's
-    buffers it holds. A replica that has not placed the model yet (its first step failed before the
+    persistent buffers it holds. A replica that has not placed the model yet (its first step failed before the
     model was called) holds other buffers: then nobody takes any, this step."""
-    every = list(model.module.named_buffers())
+    every = list(_persistent_buffers(model.module))
     if not every:  # the same on every rank (its released buffers included): nothing to agree on
         return
     held = [(name, b) for name, b in every if not b.is_meta]
@@ -159,6 +160,18 @@ def share_buffers(model: Any, group: Any, src: int, timeout_s: float) -> None:
         return
     for bucket in _buckets(held):
         _broadcast([b for _, b in bucket], group, timeout_s, src)
+
+
+def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buffers a state dict saves, each once: the model's state. The others (``persistent=False``:
+    causal masks, rotary frequencies) are made from constants, the same everywhere."""
+    seen: set[int] = set()
+    for prefix, owner in module.named_modules():
+        for name, buffer in owner._buffers.items():
+            persistent = name not in owner._non_persistent_buffers_set
+            if buffer is not None and persistent and id(buffer) not in seen:
+                seen.add(id(buffer))
+                yield (f"{prefix}.{name}" if prefix else name), buffer
 
 
 def share_random_state(group: Any, src: int, device: torch.device, timeout_s: float) -> None:

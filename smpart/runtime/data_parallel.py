@@ -81,7 +81,7 @@ class GradientReducer:
                  bucket_bytes: int | None = None, replica: int = 0) -> None:
         self.group, self.control_group, self.size = group, control_group, size
         self.params = params
-        by_size = _buckets(list(reversed(params)), bucket_bytes or BUCKET_BYTES)
+        by_size = buckets(list(reversed(params)), bucket_bytes or BUCKET_BYTES)
         self.buckets = [_Bucket(i, b) for i, b in enumerate(by_size)]
         #: Of the last step: buckets started during the backward (before `flush`), and parameters
         #: whose gradient arrived after their bucket started (averaged by the correction).
@@ -150,7 +150,7 @@ class GradientReducer:
             self.corrected = len(late_anywhere)
             if late_anywhere:
                 extra = [self._late.get(id(p), torch.zeros_like(_local(p))) for p in late_anywhere]
-                flat = _flat_copy(extra)
+                flat = flat_copy(extra)
                 work = dist.all_reduce(flat, group=self.group, async_op=True)
                 self._correction = (late_anywhere, flat, work)
 
@@ -254,7 +254,7 @@ class GradientReducer:
         for p in taking:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        bucket.flat = _flat_copy([_local(p.grad) for p in taking])
+        bucket.flat = flat_copy([_local(p.grad) for p in taking])
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True) if taking else None
 
 
@@ -270,7 +270,7 @@ def stage_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
     return out
 
 
-def _flat_copy(tensors: list[torch.Tensor]) -> torch.Tensor:
+def flat_copy(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The tensors side by side in a new buffer. Never a view (``_flatten_dense_tensors`` of one
     tensor is one): a gradient may still grow after its bucket started."""
     if not tensors:
@@ -283,7 +283,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+def buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """``params`` in order, cut where the dtype changes or a bucket would pass ``bucket_bytes``."""
     buckets: list[list[nn.Parameter]] = []
     current: list[nn.Parameter] = []
     size = 0

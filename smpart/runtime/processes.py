@@ -53,7 +53,7 @@ from smpart.runtime.messages import (
 )
 from smpart.runtime.placement import place_on_rank, unplace
 from smpart.runtime.replicas import (
-    check_same_models,
+    check_same_model,
     initialisation_seed,
     make_replicas_agree,
     make_whole,
@@ -412,11 +412,11 @@ class ProcessRuntime:
         if model is not None and model._runtime is not self:
             if model._released:
                 gc.collect()  # an optimizer left for garbage on one rank only would pair nothing
-                make_whole([model], optimizers_over(model.module.parameters()), group, timeout_s)
+                make_whole(model, optimizers_over(model.module.parameters()), group, timeout_s)
                 model._released = False
             if not model._agreed:
-                check_same_models([model], group, timeout_s)
-                make_replicas_agree([model], group, timeout_s)
+                check_same_model(model, group, timeout_s)
+                make_replicas_agree(model, group, timeout_s)
                 model._agreed = True
         if model is not None and model._runtime is self and model.broadcast_buffers and self.layout.dp > 1:
             first_replica = self.layout.rank_of(self.stage, 0, self.tp_rank)

@@ -19,7 +19,7 @@ before anything is traced or placed. Weights loaded on rank 0 alone reach every 
   (its replicas, its tensor-parallel ranks) draws the same values, while different stages differ.
 
 Before that, the ranks agree that they hold the same models, tensor by tensor
-(names, shapes, dtypes, which are on the meta device; `check_same_models`): a digest's max and
+(names, shapes, dtypes, which are on the meta device; `check_same_model`): a digest's max and
 min over every rank, one small all-reduce. A model that differs between ranks is an error naming
 it, not a collective that never pairs, nor (a model built for real on one rank and on meta on the
 others) a stage silently initialised afresh.
@@ -57,42 +57,36 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from smpart.errors import SmpartError
+from smpart.runtime.data_parallel import buckets, flat_copy
 from smpart.runtime.placement import fill_released, is_dtensor
 
 #: Bytes per broadcast: the CPU copy made for it is at most this large.
 BUCKET_BYTES = 64 * 2**20
 
 
-def make_replicas_agree(models: list[Any], group: Any, timeout_s: float) -> None:
-    """Give every rank of ``group`` rank 0's values of ``models`` (`DistributedModel`\\ s no rank
-    has placed yet, in creation order) and rank 0's seed for what is still on the meta device."""
-    if not models:
-        return
+def make_replicas_agree(model: Any, group: Any, timeout_s: float) -> None:
+    """Give every rank of ``group`` rank 0's values of ``model`` (a `DistributedModel` no rank has
+    placed yet) and rank 0's seed for what is still on the meta device."""
     seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
     _wait(dist.broadcast(seed, src=0, group=group, async_op=True), timeout_s, "rank 0's seed")
-    for model in models:
-        # A tensor-parallel layer the user built holds its own shard (a DTensor): not a copy
-        named = [(n, t) for n, t in _tensors(model.module) if not t.is_meta and not is_dtensor(t)]
-        for bucket in _buckets(named):
-            _broadcast([t for _, t in bucket], group, timeout_s)
-        model._init_seed = int(seed.item())
+    # A tensor-parallel layer the user built holds its own shard (a DTensor): not a copy
+    _take_values([t for _, t in _tensors(model.module) if not t.is_meta and not is_dtensor(t)], group, 0,
+                 timeout_s)
+    model._init_seed = int(seed.item())
 
 
-def make_whole(models: list[Any], optimizers: list[Any], group: Any, timeout_s: float) -> None:
-    r"""Models placed under an earlier ``init`` (each rank kept only its stage's tensors, the rest
-    released to the meta device) become whole on every rank of ``group`` again, as they were before
-    placement, and so does the state of ``optimizers`` (`DistributedOptimizer`\ s over them): every
+def make_whole(model: Any, optimizers: list[Any], group: Any, timeout_s: float) -> None:
+    r"""A model placed under an earlier ``init`` (each rank kept only its stage's tensors, the rest
+    released to the meta device) becomes whole on every rank of ``group`` again, as it was before
+    placement, and so does the state of ``optimizers`` (`DistributedOptimizer`\ s over it): every
     tensor comes from the lowest rank that kept it. Then the next placement, in any layout, keeps
     what it needs, as on threads, where nothing was ever released."""
-    for model in models:
-        if any(is_dtensor(t) for _, t in _tensors(model.module)):
-            raise SmpartError(f"DistributedModel #{model.model_id} was split for tensor parallelism under "
-                              "an earlier smpart.init: to run it under another, save a checkpoint before "
-                              "smpart.shutdown() (smpart.save_checkpoint) and load it into a model built "
-                              "anew")
+    if any(is_dtensor(t) for _, t in _tensors(model.module)):
+        raise SmpartError(f"DistributedModel #{model.model_id} was split for tensor parallelism under "
+                          "an earlier smpart.init: to run it under another, save a checkpoint before "
+                          "smpart.shutdown() (smpart.save_checkpoint) and load it into a model built anew")
     for optimizer in optimizers:
         if optimizer._sharded is not None:
             raise SmpartError("this DistributedOptimizer's state was sharded over data-parallel replicas "
@@ -101,8 +95,7 @@ def make_whole(models: list[Any], optimizers: list[Any], group: Any, timeout_s: 
                               "and load it")
     # The optimizers' states first: which parameters a rank holds decides which state it sends.
     states = [_gathered_state(optimizer, group, timeout_s) for optimizer in optimizers]
-    for model in models:
-        _fill_from_owners(model, group, timeout_s)
+    _fill_from_owners(model, group, timeout_s)
     for optimizer, state in zip(optimizers, states, strict=True):
         full = optimizer.optimizer.state_dict()
         optimizer.optimizer.load_state_dict({**full, "state": state})
@@ -122,44 +115,35 @@ def _gathered_state(optimizer: Any, group: Any, timeout_s: float) -> dict[int, A
 
 def _fill_from_owners(model: Any, group: Any, timeout_s: float) -> None:
     named = list(_tensors(model.module))
+    name_of = {id(t): name for name, t in named}
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     owners = torch.tensor([world if t.is_meta else rank for _, t in named], dtype=torch.int64)
     _wait(dist.all_reduce(owners, op=dist.ReduceOp.MIN, group=group, async_op=True), timeout_s,
           "who holds the model's tensors")
     filled: dict[str, torch.Tensor] = {}
     for owner in sorted(set(owners.tolist()) - {world}):  # world: on meta everywhere, left so
-        held = [(name, t) for (name, t), o in zip(named, owners.tolist(), strict=True) if o == owner]
+        held = [t for (_, t), o in zip(named, owners.tolist(), strict=True) if o == owner]
         for bucket in _buckets(held):
-            tensors = [t for _, t in bucket]
-            if rank == owner:
-                flat = _flatten_dense_tensors([t.detach().to("cpu") for t in tensors])
-            else:
-                flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
-            _wait(dist.broadcast(flat, src=owner, group=group, async_op=True), timeout_s,
-                  "the model's values")
-            offset = 0
-            for name, t in bucket:
+            flat = _broadcast(bucket, group, owner, timeout_s)
+            for t, value in zip(bucket, _pieces(flat, bucket), strict=True):
                 if t.is_meta:
-                    filled[name] = flat[offset:offset + t.numel()].view(t.shape).clone()
-                offset += t.numel()
+                    filled[name_of[id(t)]] = value.clone()
     fill_released(model.module, filled)
 
 
 def share_buffers(model: Any, group: Any, src: int, timeout_s: float) -> None:
     """Every rank of ``group`` (a stage's replicas) takes rank ``src``'s values of the model's
-    persistent buffers it holds. A replica that has not placed the model yet (its first step failed before the
-    model was called) holds other buffers: then nobody takes any, this step."""
+    persistent buffers it holds. A replica that has not placed the model yet (its first step
+    failed before the model was called) holds other buffers: then nobody takes any, this step."""
     every = list(_persistent_buffers(model.module))
     if not every:  # the same on every rank (its released buffers included): nothing to agree on
         return
-    held = [(name, b) for name, b in every if not b.is_meta]
+    held = [b for _, b in every if not b.is_meta]
     count = torch.tensor([len(held), -len(held)], dtype=torch.int64)
     _wait(dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout_s,
           "the buffers held")
-    if not held or count[0].item() != -count[1].item():
-        return
-    for bucket in _buckets(held):
-        _broadcast([b for _, b in bucket], group, timeout_s, src)
+    if held and count[0].item() == -count[1].item():
+        _take_values(held, group, src, timeout_s)
 
 
 def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -203,54 +187,55 @@ def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from ((name, b) for name, b in module.named_buffers() if b is not None)
 
 
-def check_same_models(models: list[Any], group: Any, timeout_s: float) -> None:
-    """Raise unless every rank of ``group`` holds ``models`` alike: the same tensors by name, shape,
+def check_same_model(model: Any, group: Any, timeout_s: float) -> None:
+    """Raise unless every rank of ``group`` holds ``model`` alike: the same tensors by name, shape,
     dtype and meta-ness (one small all-reduce)."""
-    if not models:
-        return
-    described = [(model.model_id, [(name, tuple(t.shape), str(t.dtype), t.is_meta)
-                                   for name, t in _tensors(model.module)]) for model in models]
+    described = [(name, tuple(t.shape), str(t.dtype), t.is_meta) for name, t in _tensors(model.module)]
     digest = int.from_bytes(hashlib.sha256(repr(described).encode()).digest()[:7], "little")
     extremes = torch.tensor([digest, -digest], dtype=torch.int64)
     _wait(dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout_s,
-          "the models' description")
+          "the model's description")
     if extremes[0].item() != -extremes[1].item():
-        numbers = ", ".join(f"#{model.model_id}" for model in models)
         raise SmpartError(
-            f"the ranks hold different models (DistributedModel {numbers}: their parameters' and buffers' "
-            "names, shapes, dtypes or meta-ness differ between ranks). Every rank must build the same "
-            "models in the same order, all of them materialised (rank 0's values then reach every rank) "
-            "or all on the meta device (then load weights with smpart.load_checkpoint): a rank that "
+            f"the ranks hold different models (DistributedModel #{model.model_id}: its parameters' and "
+            "buffers' names, shapes, dtypes or meta-ness differ between ranks). Every rank must build the "
+            "same models in the same order, all of them materialised (rank 0's values then reach every "
+            "rank) or all on the meta device (then load weights with smpart.load_checkpoint): a rank that "
             "built on meta has nowhere to take rank 0's values")
 
 
-def _buckets(named: list[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """``(name, tensor)`` pairs in buckets of one dtype and at most `BUCKET_BYTES`, in order."""
-    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-    for name, t in named:
-        by_dtype.setdefault(t.dtype, []).append((name, t))
-    for same in by_dtype.values():
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, t in same:
-            if bucket and size + t.numel() * t.element_size() > BUCKET_BYTES:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, t))
-            size += t.numel() * t.element_size()
-        if bucket:
-            yield bucket
+def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` in buckets of one dtype and at most `BUCKET_BYTES` (in order within a dtype)."""
+    return buckets(sorted(tensors, key=lambda t: str(t.dtype)), BUCKET_BYTES)
 
 
-def _broadcast(bucket: list[torch.Tensor], group: Any, timeout_s: float, src: int = 0) -> None:
-    """Every rank of ``group`` takes global rank ``src``'s values of ``bucket`` (one dtype)."""
-    flat = _flatten_dense_tensors([t.detach().to("cpu") for t in bucket])
-    _wait(dist.broadcast(flat, src=src, group=group, async_op=True), timeout_s, "the model's values")
+def _take_values(tensors: list[torch.Tensor], group: Any, src: int, timeout_s: float) -> None:
+    """Every rank of ``group`` writes global rank ``src``'s values into its ``tensors``."""
+    for bucket in _buckets(tensors):
+        flat = _broadcast(bucket, group, src, timeout_s)
+        if dist.get_rank() != src:
+            with torch.no_grad():
+                for t, value in zip(bucket, _pieces(flat, bucket), strict=True):
+                    t.copy_(value)
+
+
+def _broadcast(bucket: list[torch.Tensor], group: Any, src: int, timeout_s: float) -> torch.Tensor:
+    """Global rank ``src``'s values of ``bucket`` (one dtype) side by side on the CPU, on every rank
+    of ``group`` (the others' own tensors may be on the meta device)."""
     if dist.get_rank() == src:
-        return
-    with torch.no_grad():
-        for t, value in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-            t.copy_(value)
+        flat = flat_copy([t.detach().to("cpu") for t in bucket])
+    else:
+        flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype)
+    _wait(dist.broadcast(flat, src=src, group=group, async_op=True), timeout_s, "the model's values")
+    return flat
+
+
+def _pieces(flat: torch.Tensor, like: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """``flat`` cut back into tensors shaped as ``like`` (views)."""
+    offset = 0
+    for t in like:
+        yield flat[offset:offset + t.numel()].view(t.shape)
+        offset += t.numel()
 
 
 def _all_gather_objects(obj: Any, group: Any, timeout_s: float, what: str) -> list[Any]:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import smpart
 from examples.models import ZOO
 from tests.launch import run_ranks, values
-from tests.test_runtime import reference_step, train_side_by_side, train_step
+from tests.test_runtime import cross_entropy_step, lm_step, reference_step, train_side_by_side, train_step
 from tests.test_runtime_placement import Nested, SharedUse, TiedEncoderDecoder
 
 TOL = 1e-6
@@ -286,13 +286,6 @@ def _one_model_under_three_inits(rank):
     reference = copy.deepcopy(built)
     ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
     model = smpart.DistributedModel(built)
-
-    @smpart.step
-    def step(model, x, y):
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
-
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randint(4, (4,), generator=g))
                for _ in range(6)]
@@ -305,7 +298,7 @@ def _one_model_under_three_inits(rank):
         per_replica = 4 // smpart.dp_size()
         mine = slice(smpart.dp_rank() * per_replica, (smpart.dp_rank() + 1) * per_replica)
         for x, y in steps:
-            loss = step(model, x[mine], y[mine]).reduce_mean().item()
+            loss = cross_entropy_step(model, x[mine], y[mine]).reduce_mean().item()
             expected = F.cross_entropy(reference(x[mine]), y[mine]).item()
             F.cross_entropy(reference(x), y).backward()
             loss_diff = max(loss_diff, abs(loss - expected))
@@ -380,13 +373,6 @@ def test_smpart_debug_names_the_rank_on_processes(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- Hugging Face
-@smpart.step
-def _lm_step(model, x):
-    out = model(x, labels=x)  # Hugging Face's own loss: the labels are the inputs
-    model.backward(out.loss)
-    return out.loss
-
-
 def _unsplit_losses(reference, x: torch.Tensor, microbatches: int = 2) -> torch.Tensor:
     """Each micro-batch's loss of the unsplit model, its gradients accumulated as the pipeline's."""
     losses = []
@@ -411,7 +397,7 @@ def _hf_gpt2(rank):
     report = []
     for seq in (8, 12, 5):  # the sequence length changes from step to step
         x = torch.randint(0, 64, (4, seq), generator=torch.Generator().manual_seed(seq))
-        out = _lm_step(dm, x)
+        out = lm_step(dm, x)
         losses = _unsplit_losses(reference, x)
         grads = dict(dm.named_parameters())
         grad_diff = max((grads[n].grad - p.grad).abs().max().item() for n, p in reference.named_parameters()
@@ -450,7 +436,7 @@ def _hf_gpt2_full_size(rank):
     dm = smpart.DistributedModel(model)
 
     x = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
-    out = _lm_step(dm, x)
+    out = lm_step(dm, x)
     losses = _unsplit_losses(reference, x)
     grads = dict(dm.named_parameters())
     worst = max(((grads[n].grad - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12)).item()
@@ -671,19 +657,13 @@ def _batch_norm_replicas(rank, broadcast_buffers):
     opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
     @smpart.step
-    def train(model, x, y):
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
-
-    @smpart.step
     def evaluate(model, x):
         return model(x)
 
     g = torch.Generator().manual_seed(smpart.dp_rank())
     for _ in range(3):
         scale = 1 + smpart.dp_rank()  # each replica's data has its own spread
-        train(model, torch.randn(8, 8, generator=g) * scale, torch.randint(4, (8,), generator=g))
+        cross_entropy_step(model, torch.randn(8, 8, generator=g) * scale, torch.randint(4, (8,), generator=g))
         opt.step()
         opt.zero_grad()
     model.eval()

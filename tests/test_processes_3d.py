@@ -24,7 +24,7 @@ import torch
 import smpart
 from tests.launch import run_ranks, values
 from tests.test_processes import error_of_a_step
-from tests.test_runtime import reference_step, train_step
+from tests.test_runtime import cross_entropy_step, lm_step, reference_step, train_step
 from tests.test_tensor_parallel import hf_causal_lm
 
 TOL = 1e-6
@@ -174,17 +174,10 @@ def _dropout_training(rank, own_seed):
     smpart.init(tensor_parallel_degree=2, microbatches=2, timeout_s=60)
     model = smpart.DistributedModel(built)
     opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-
-    @smpart.step
-    def step(model, ids):
-        out = model(input_ids=ids, labels=ids)
-        model.backward(out.loss)
-        return out.loss
-
     ids = torch.randint(64, (4, 12), generator=torch.Generator().manual_seed(0))
     losses = []
     for _ in range(2):
-        losses.append(step(model, ids).reduce_mean().item())
+        losses.append(lm_step(model, ids).reduce_mean().item())
         opt.step()
         opt.zero_grad()
     norms = {k: smpart.tensor_parallel.full_tensor(v).tolist()
@@ -235,18 +228,11 @@ def _own_tensor_parallel_layers(rank):
     reference, model = build(False), smpart.DistributedModel(build(True))
     opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
-
-    @smpart.step
-    def step(model, x, y):
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
-
     g = torch.Generator().manual_seed(1)
     loss_diff = 0.0
     for _ in range(3):
         x, y = torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randint(4, (4,), generator=g)
-        loss = step(model, x, y).reduce_mean().item()
+        loss = cross_entropy_step(model, x, y).reduce_mean().item()
         pieces = zip(x.chunk(2), y.chunk(2), strict=True)
         expected = sum(F.cross_entropy(reference(a), b) for a, b in pieces) / 2
         expected.backward()
@@ -351,19 +337,13 @@ def _a_whole_script(rank, pretrained, checkpoint):
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
 
     @smpart.step
-    def train(model, ids):
-        out = model(input_ids=ids, labels=ids)
-        model.backward(out.loss)
-        return out.loss
-
-    @smpart.step
     def evaluate(model, ids):
         return model(input_ids=ids, labels=ids).loss
 
     g = torch.Generator().manual_seed(smpart.dp_rank())
     losses = []
     for _ in range(4):
-        losses.append(train(model, torch.randint(64, (4, 12), generator=g)).reduce_mean().item())
+        losses.append(lm_step(model, torch.randint(64, (4, 12), generator=g)).reduce_mean().item())
         opt.clip_grad_norm_(1.0)
         opt.step()
         schedule.step()

@@ -35,6 +35,22 @@ def train_step(model, example, args, kwargs, target):
     return loss
 
 
+@smpart.step
+def cross_entropy_step(model, x, y):
+    """A classifier's training step, as a user writes it."""
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    model.backward(loss)
+    return loss
+
+
+@smpart.step
+def lm_step(model, ids):
+    """A Hugging Face causal LM's training step: its own loss, the labels being the inputs."""
+    loss = model(input_ids=ids, labels=ids).loss
+    model.backward(loss)
+    return loss
+
+
 #: Where `train_step`'s body got the model's output, in this process (drivers add to it).
 OUTPUT_DEVICES: set[str] = set()
 
@@ -329,15 +345,8 @@ def test_a_model_built_on_meta_is_materialised_on_threads_too():
         with torch.device("meta"):
             model = smpart.DistributedModel(transformers.GPT2LMHeadModel(config))
         opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-
-        @smpart.step
-        def train(model, ids):
-            loss = model(input_ids=ids, labels=ids).loss
-            model.backward(loss)
-            return loss
-
         ids = torch.randint(64, (4, 16), generator=torch.Generator().manual_seed(0))
-        loss = train(model, ids).reduce_mean().item()
+        loss = lm_step(model, ids).reduce_mean().item()
         assert abs(loss - math.log(64)) < 0.1, loss
         assert not any(p.is_meta for p in model.parameters())
         before = model.module.transformer.h[3].mlp.c_fc.weight.clone()

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import smpart
+from tests.test_runtime import lm_step
 
 TOL = 1e-5
 
@@ -129,15 +130,8 @@ def test_hugging_face_gpt2_from_a_tiny_config():
     reference = copy.deepcopy(model)
     smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60)
     dm = smpart.DistributedModel(model)
-
-    @smpart.step
-    def step(model, ids):
-        loss = model(input_ids=ids, labels=ids).loss
-        model.backward(loss)
-        return loss
-
     ids = torch.randint(64, (4, 8), generator=torch.Generator().manual_seed(0))
-    out = step(dm, ids)
+    out = lm_step(dm, ids)
     ref_losses = []
     for chunk in ids.chunk(2):
         loss = reference(input_ids=chunk, labels=chunk).loss

@@ -11,7 +11,6 @@ the parameters keep working) and install a `StagedForward` that routes calls to 
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from smpart.errors import ConfigError, PartitionError
 from smpart.partition.result import Partition
 from smpart.runtime.calls import install, uninstall
 from smpart.runtime.stage import StageServer
+from smpart.tensor_parallel.layers import is_dtensor
 
 
 def choose_devices(config: Config) -> list[torch.device]:
@@ -242,12 +242,6 @@ def _device_of(module: nn.Module) -> torch.device:
     param = next(module.parameters(recurse=False))
     return (param.to_local() if is_dtensor(param) else param).device
 
-
-def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a DTensor (a tensor-parallel shard), without importing DTensor's module
-    (~1 s) in a job that never made one."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
 
 
 def _initialise(model: nn.Module, fresh: list[tuple[str, nn.Module]], loading: bool) -> None:

@@ -407,9 +407,9 @@ class ProcessRuntime:
         from smpart.runtime.optimizer import optimizers_over
 
         group, timeout_s = self.setup.collective_group, self.config.timeout_s
-        args, kwargs = pieces[0] if pieces else ((), {})
-        model = next((v for v in (*args, *kwargs.values()) if isinstance(v, DistributedModel)), None)
-        if model is not None and model._runtime is not self:
+        args, kwargs = pieces[0]  # the step function checked: exactly one DistributedModel among them
+        model = next(v for v in (*args, *kwargs.values()) if isinstance(v, DistributedModel))
+        if model._runtime is not self:
             if model._released:
                 gc.collect()  # an optimizer left for garbage on one rank only would pair nothing
                 make_whole(model, optimizers_over(model.module.parameters()), group, timeout_s)
@@ -418,7 +418,7 @@ class ProcessRuntime:
                 check_same_model(model, group, timeout_s)
                 make_replicas_agree(model, group, timeout_s)
                 model._agreed = True
-        if model is not None and model._runtime is self and model.broadcast_buffers and self.layout.dp > 1:
+        elif model.broadcast_buffers and self.layout.dp > 1:
             first_replica = self.layout.rank_of(self.stage, 0, self.tp_rank)
             share_buffers(model, self.setup.dp_control_group, first_replica, timeout_s)
         if self.layout.tp > 1:  # every step: a rank may have drawn alone between steps

@@ -60,7 +60,8 @@ from torch import nn
 
 from smpart.errors import SmpartError
 from smpart.runtime.data_parallel import buckets, flat_copy
-from smpart.runtime.placement import fill_released, is_dtensor
+from smpart.runtime.placement import fill_released
+from smpart.tensor_parallel.layers import is_dtensor
 
 #: Bytes per broadcast: the CPU copy made for it is at most this large.
 BUCKET_BYTES = 64 * 2**20

@@ -692,7 +692,9 @@ def test_replicas_fed_batches_of_different_sizes_are_told_so():
 
 
 def _clipped(rank, pp):
-    """Global gradient clipping over pp x dp: the norm of the whole model, each replica counted once."""
+    """Global gradient clipping over pp x dp: the norm of the whole model, each replica counted once,
+    by torch's own ``clip_grad_norm_`` called as training scripts call it, and by the optimizer's."""
+    torch_clip = torch.nn.utils.clip_grad_norm_
     example = ZOO["gpt2"](dtype=torch.float64)
     reference = copy.deepcopy(example.model)
     smpart.init(pipeline_parallel_degree=pp, microbatches=2, timeout_s=60)
@@ -703,15 +705,20 @@ def _clipped(rank, pp):
     mine = slice(smpart.dp_rank() * 4, (smpart.dp_rank() + 1) * 4)
     train_step(model, example, [a[mine] for a in args], {}, target[mine])
     reference_step(reference, example, args, kwargs, target, 2 * dp)
-    total = opt.clip_grad_norm_(0.05)
-    return total.item(), torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05).item()
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    clipped = opt.clip_grad_norm_(math.inf)  # the norm of what torch's call left: 0.05 on every rank
+    smpart.shutdown()
+    assert torch.nn.utils.clip_grad_norm_ is torch_clip, "shutdown gives torch its function back"
+    return total.item(), expected.item(), clipped.item()
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("world", "pp"), [(2, 2), (4, 2)])
 def test_global_gradient_clipping_across_stages_and_replicas(world, pp):
-    for total, expected in values(run_ranks(_clipped, world, pp, timeout_s=110)):
+    for total, expected, clipped in values(run_ranks(_clipped, world, pp, timeout_s=110)):
         assert abs(total - expected) <= 1e-9 * expected, (total, expected)
+        assert abs(clipped - 0.05) <= 1e-6, clipped
 
 
 # ---------------------------------------------------------------------------- tensor parallelism
@@ -735,8 +742,11 @@ def _tensor_parallel(rank, name, pp=1, schedule="1f1b"):
         piece = {k: v[mine] for k, v in kwargs.items()}
         train_step(model, example, [a[mine] for a in args], piece, target[mine])
         reference_step(reference, example, args, kwargs, target, 2 * dp)
-        norms.append((opt.clip_grad_norm_(1.0).item(),
-                      torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0).item()))
+        if step == 0:
+            total = opt.clip_grad_norm_(1.0)
+        else:  # torch's own function, as training scripts call it
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norms.append((total.item(), torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0).item()))
         opt.step()
         opt.zero_grad()
         ref_opt.step()

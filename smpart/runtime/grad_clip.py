@@ -70,6 +70,16 @@ def clip_grad_norm_(parameters_or_model: Any, max_norm: float, norm_type: float 
     return total.to(_local(grads[0]).dtype) if grads else total.float()
 
 
+def model_parallel_groups(setup: Any) -> tuple[list[Any], Any]:
+    """For `clip_grad_norm_` under a process runtime's ``setup`` (None on threads): the groups whose
+    ranks hold different parts of a replica's gradient (pipeline, tensor-parallel; never the
+    data-parallel replicas, whose averaged gradients are the same), and the group whose ranks hold
+    identical copies of every plain gradient (tensor-parallel)."""
+    if setup is None:
+        return [], None
+    return [g for g in (setup.pp_group, setup.tp_group) if g is not None], setup.tp_group
+
+
 def _gradients(source: Any) -> list[torch.Tensor]:
     """The distinct gradients of ``source``'s parameters (a parameter listed twice counts once)."""
     if isinstance(source, torch.Tensor):

@@ -110,17 +110,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Clip every gradient by the norm over the whole model (all stages, all shards), counting
         a tied or replicated parameter once; returns the total norm, as the unsplit model's
         ``torch.nn.utils.clip_grad_norm_`` would. Under ``torchrun`` every rank must call it."""
-        from smpart.runtime.grad_clip import clip_grad_norm_
+        from smpart.runtime.grad_clip import clip_grad_norm_, model_parallel_groups
         from smpart.runtime.runtime import running_runtime
 
-        setup = getattr(running_runtime(), "setup", None)
-        # This replica's stages and tensor-parallel shards; never the other replicas (same gradients).
-        groups = [g for g in (setup.pp_group, setup.tp_group) if g is not None] if setup is not None else []
-        tensor_parallel = setup.tp_group if setup is not None else None
+        groups, replicated_over = model_parallel_groups(getattr(running_runtime(), "setup", None))
         self._adopt_replaced_parameters()
         params = self._all_parameters()
         return clip_grad_norm_(params, max_norm, norm_type, groups=groups or None,
-                               replicated_over=tensor_parallel, error_if_nonfinite=error_if_nonfinite)
+                               replicated_over=replicated_over, error_if_nonfinite=error_if_nonfinite)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

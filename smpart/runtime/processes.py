@@ -40,6 +40,7 @@ from smpart.config import Config
 from smpart.distributed.launch import Setup, release_groups, setup
 from smpart.distributed.transport import ProcessTransport
 from smpart.errors import PeerLost, PipelineError, SmpartError
+from smpart.runtime import torch_clip
 from smpart.runtime.data_parallel import GradientReducer, stage_parameters
 from smpart.runtime.messages import (
     MAIN,
@@ -218,6 +219,8 @@ class ProcessRuntime:
         self.resident_bytes: dict[int, int] = {}
         self._place_lock = threading.Lock()
         self._step_lock = threading.Lock()
+        if layout.pp > 1 or layout.tp > 1:  # a rank holds part of the gradient: clip by the whole's norm
+            torch_clip.install(self)
 
     def place_of_stage(self, stage: int) -> int:
         """The rank of ``stage`` in this rank's replica, with this rank's tensor-parallel index (each
@@ -533,6 +536,7 @@ class ProcessRuntime:
                 self.states.take(POLL_S)
 
     def shutdown(self, timeout_s: float = 10.0) -> list[str]:
+        torch_clip.uninstall()
         self.transport.say_leaving(self.steps_taken)
         if self.answer_at_shutdown:
             self._await_peers_leaving()

@@ -782,6 +782,34 @@ def test_tensor_parallel_replicas_train_like_the_unsplit_model(pp, world):
         assert worst <= TOL and norm_diff <= 1e-9, (worst, norm_diff)
 
 
+def _plain_optimizer(rank):
+    """tp = 2 with torch's own AdamW, made from ``model.parameters()`` before the first step split
+    the layers into new (DTensor) parameters, as a script that never heard of DistributedOptimizer
+    makes it."""
+    torch.manual_seed(0)
+    example = ZOO["gpt2"](dtype=torch.float64)
+    reference = copy.deepcopy(example.model)
+    smpart.init(tensor_parallel_degree=2, microbatches=2, timeout_s=60)
+    model = smpart.DistributedModel(example.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for step in range(2):
+        args, kwargs, target = example.batch(4, seed=step)
+        train_step(model, example, args, kwargs, target)
+        reference_step(reference, example, args, kwargs, target, 2)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    full = model.state_dict()
+    return max((full[k] - v).abs().max().item() for k, v in reference.named_parameters())
+
+
+@pytest.mark.timeout(120)
+def test_a_plain_torch_optimizer_made_before_tensor_parallelism_split_the_layers_steps_the_shards():
+    for worst in values(run_ranks(_plain_optimizer, 2, timeout_s=110)):
+        assert worst <= TOL, worst
+
+
 class _UnevenTiming(torch.nn.Module):
     """A root on stage 0 calling two MLP blocks on stage 1 one after the other, sleeping in between
     for a time that differs by tensor-parallel rank and micro-batch: each rank of stage 1 receives

@@ -91,19 +91,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def _adopt_replaced_parameters(self) -> None:
-        """Placement replaces a parameter object only when it cannot change it in place (autograd
-        still referenced it); the optimizer then holds the new one, with any state it had."""
-        from smpart.runtime.placement import REPLACED, replacement_of
+        """Hold the parameters placement put in place of others (`placement.REPLACED`) before
+        anything reads them, not only at a step."""
+        from smpart.runtime.placement import adopt_replacements
 
-        if not REPLACED:
-            return
-        for group in self.optimizer.param_groups:
-            for i, param in enumerate(group["params"]):
-                new = replacement_of(param)
-                if new is not None:
-                    group["params"][i] = new
-                    if param in self.optimizer.state:
-                        self.optimizer.state[new] = self.optimizer.state.pop(param)
+        adopt_replacements(self.optimizer)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:

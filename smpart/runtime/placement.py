@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from smpart.config import Config
 from smpart.errors import ConfigError, PartitionError
@@ -148,15 +149,45 @@ def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server:
     return kept
 
 
-#: Parameters placement had to replace by new objects (autograd still referenced the old ones, so
-#: they could not be changed in place): id(old) -> (old, new), the old one weakly held (keyed by
-#: identity: tensors compare by value). `DistributedOptimizer` adopts the new ones.
+#: Parameters placement had to replace by new objects: id(old) -> (old, new), the old one weakly
+#: held (keyed by identity: tensors compare by value). Tensor parallelism's shards are such (a
+#: DTensor cannot take a plain parameter's place in the same object), as is a parameter autograd
+#: still referenced, which could not be changed in place. Every optimizer adopts the new ones
+#: before it steps (`adopt_replacements`): the optimizer a script made from ``model.parameters()``
+#: before the first step would otherwise go on updating the old ones, which nothing uses.
 REPLACED: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
+_adopting: Any = None  # the handle of torch's global optimizer hook, once a parameter was replaced
 
 
 def replacement_of(param: nn.Parameter) -> nn.Parameter | None:
     entry = REPLACED.get(id(param))
     return entry[1] if entry is not None and entry[0]() is param else None
+
+
+def remember_replacement(old: nn.Parameter, new: nn.Parameter) -> None:
+    """Record that ``new`` took ``old``'s place; from now on every optimizer adopts it as it steps
+    (`torch.optim.optimizer.register_optimizer_step_pre_hook`: plain torch optimizers too)."""
+    global _adopting
+    REPLACED[id(old)] = (weakref.ref(old), new)
+    if _adopting is None:
+        _adopting = register_optimizer_step_pre_hook(_adopt_before_step)
+
+
+def _adopt_before_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    adopt_replacements(optimizer)
+
+
+def adopt_replacements(optimizer: torch.optim.Optimizer) -> None:
+    """Put in ``optimizer`` each replaced parameter's replacement, with the state it had."""
+    if not REPLACED:
+        return
+    for group in optimizer.param_groups:
+        for i, param in enumerate(group["params"]):
+            new = replacement_of(param)
+            if new is not None:
+                group["params"][i] = new
+                if param in optimizer.state:
+                    optimizer.state[new] = optimizer.state.pop(param)
 
 
 def _swap_in(module: nn.Module, name: str, param: nn.Parameter, new: nn.Parameter) -> None:
@@ -169,7 +200,7 @@ def _swap_in(module: nn.Module, name: str, param: nn.Parameter, new: nn.Paramete
             for key, value in owner._parameters.items():
                 if value is param:
                     owner._parameters[key] = new
-        REPLACED[id(param)] = (weakref.ref(param), new)
+        remember_replacement(param, new)
         if param.device.type != "meta":
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)  # free its storage
 

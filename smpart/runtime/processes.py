@@ -28,7 +28,6 @@ import math
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -506,8 +505,8 @@ class ProcessRuntime:
 
     def _split_for_tensor_parallelism(self, model: DistributedModel) -> None:
         """Swap in the tensor-parallel layers the automatic plan chooses; parameters that become
-        shards are new objects, which `DistributedOptimizer` adopts (`placement.REPLACED`)."""
-        from smpart.runtime.placement import REPLACED
+        shards are new objects, which every optimizer adopts (`placement.remember_replacement`)."""
+        from smpart.runtime.placement import remember_replacement
         from smpart.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel
 
         before = dict(model.module.named_parameters())
@@ -517,7 +516,7 @@ class ProcessRuntime:
         for name, old in before.items():
             new = after.get(name)
             if new is not None and new is not old:
-                REPLACED[id(old)] = (weakref.ref(old), new)
+                remember_replacement(old, new)
         model.tensor_parallel_plan = plan
 
     # ================================================================ the end

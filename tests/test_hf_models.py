@@ -14,6 +14,7 @@ order (a gradient summed across a stage boundary) can move a float32 rounding by
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -267,9 +268,11 @@ def test_generate_works_forward_only_or_says_it_is_not_supported(name):
 
 # ==================================================================== autocast
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["inside", "around"])
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_autocast_inside_the_step_reaches_every_stage(name):
-    """``torch.autocast`` is thread-local: the modules on other stages must run under it too."""
+def test_autocast_inside_the_step_or_around_its_call_reaches_every_stage(name, where):
+    """``torch.autocast`` is thread-local: the modules on other stages must run under it too, and
+    so must the step body, which runs on threads of its own, when autocast is around the call."""
     case, model, reference = build(name, train=False)
     model.float()
     reference.float()
@@ -278,13 +281,14 @@ def test_autocast_inside_the_step_reaches_every_stage(name):
 
     @smpart.step
     def autocast_step(model, x, labels):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16) if where == "inside" else contextlib.nullcontext():
             loss = model(x, labels=labels).loss
         model.backward(loss)
         return loss
 
     x, labels = case.inputs(0)
-    out = autocast_step(dm, x, labels)
+    with torch.autocast("cpu", dtype=torch.bfloat16) if where == "around" else contextlib.nullcontext():
+        out = autocast_step(dm, x, labels)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         losses = reference_losses(reference, x, labels)
     assert seen == expected_seen and torch.bfloat16 in set(expected_seen.values())

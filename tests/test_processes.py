@@ -423,6 +423,45 @@ def test_hugging_face_gpt2_with_its_defaults_and_changing_sequence_length(world)
     assert sum(owned) <= total_params + 1 and all(n > 0 for n in owned[1:])
 
 
+def _ambient_around_the_call(rank):
+    """Per leaf module this rank ran: grad mode and CPU autocast as it saw them, in a step called
+    under ``torch.autocast`` and in one called under ``torch.no_grad()`` (not set inside the body)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=4, n_head=2, vocab_size=64, n_positions=32)).eval()
+    seen: dict[str, tuple[bool, bool]] = {}
+    for name, module in model.named_modules():
+        if not list(module.children()):
+            module.register_forward_hook(lambda *_, name=name: seen.__setitem__(
+                name, (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"))))
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60)
+    dm = smpart.DistributedModel(model)
+
+    @smpart.step
+    def forward(model, ids):
+        return model(ids).logits
+
+    x = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    forward(dm, x)  # placed
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = forward(dm, x).concat()
+    under_autocast = dict(seen)
+    seen.clear()
+    with torch.no_grad():
+        forward(dm, x)
+    return under_autocast, dict(seen), logits.dtype
+
+
+@pytest.mark.timeout(120)
+def test_autocast_and_no_grad_around_the_step_call_reach_every_stage():
+    for under_autocast, under_no_grad, dtype in values(run_ranks(_ambient_around_the_call, 2, timeout_s=110)):
+        assert under_autocast and all(autocast for _, autocast in under_autocast.values()), under_autocast
+        assert under_no_grad and not any(grad for grad, _ in under_no_grad.values()), under_no_grad
+        assert dtype == torch.bfloat16
+
+
 def _hf_gpt2_full_size(rank):
     """GPT-2 exactly as `GPT2Config()` builds it (124M parameters, float32), one training step;
     in eval mode, so that dropout draws no random numbers (their order differs between one

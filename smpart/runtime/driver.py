@@ -76,7 +76,7 @@ class Driver:
         run, mb = self.run, self.microbatch
         finished = MicrobatchFinished(run.step, mb)
         try:
-            with running(Frame(self, run.step, mb)):
+            with running(Frame(self, run.step, mb)), run.ambient.applied():
                 result = run.fn(*self.args, **self.kwargs)
             self.pass_turn()
             self.finish_forward()

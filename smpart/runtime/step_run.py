@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from smpart.errors import PipelineError, SmpartError
+from smpart.runtime.ambient import capture
 from smpart.runtime.driver import Driver
 from smpart.runtime.messages import (
     STAGE,
@@ -63,6 +64,9 @@ class StepRun:
         self.turn = threading.Condition()
         self.next_turn = 0
         self.address: Address = (self.place, coordinator_endpoint(step))
+        #: The caller's grad mode and autocast (``with torch.autocast(...): train_step(...)``): the
+        #: drivers run the body under them, as the body would run if called directly.
+        self.ambient = capture()
 
     def send(self, address: Address, message: Any) -> None:
         self.transport.send(self.place, address, message)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -264,6 +265,35 @@ def test_generate_works_forward_only_or_says_it_is_not_supported(name):
         else:
             assert torch.equal(produced.cpu(), expected)
         assert all(p.grad is None for p in dm.parameters())
+
+
+@pytest.mark.timeout(60, method="thread")
+def test_a_step_that_only_generates_says_the_model_ran_whole_until_a_call_splits_it():
+    """A model is split at its first call inside a step; ``model.generate`` alone never calls the
+    DistributedModel, so the first step says the model ran whole, and once a forward split it,
+    generating runs split and says nothing."""
+    case, model, reference = build("gpt2", train=False)
+    dm = start(model, 2)
+    prompt = case.inputs(0)[0][:, :4]
+
+    @smpart.step
+    def generate(model, prompt):
+        with torch.no_grad():
+            return model.generate(prompt, max_new_tokens=3, do_sample=False)
+
+    @smpart.step
+    def forward(model, prompt):
+        with torch.no_grad():
+            return model(prompt).logits
+
+    expected = reference.generate(prompt, max_new_tokens=3, do_sample=False)
+    with pytest.warns(UserWarning, match="not split"):
+        assert torch.equal(generate(dm, prompt).concat(), expected)
+    forward(dm, prompt)
+    assert used_stages(dm) == 2
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*not split.*")
+        assert torch.equal(generate(dm, prompt).concat(), expected)
 
 
 # ==================================================================== autocast

@@ -462,6 +462,43 @@ def test_autocast_and_no_grad_around_the_step_call_reach_every_stage():
         assert dtype == torch.bfloat16
 
 
+def _generate(rank):
+    """``generate`` inside a step, and outside one, where a rank holds only its own stage (once a
+    call to the model split it)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=4, n_head=2, vocab_size=64, n_positions=32)).eval()
+    reference = copy.deepcopy(model)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60)
+    dm = smpart.DistributedModel(model)
+
+    @smpart.step
+    def generate(model, prompt):
+        with torch.no_grad():
+            return model.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+    @smpart.step
+    def forward(model, prompt):
+        with torch.no_grad():
+            return model(prompt).logits
+
+    prompt = torch.randint(0, 64, (4, 4), generator=torch.Generator().manual_seed(0))
+    forward(dm, prompt)
+    produced = generate(dm, prompt).concat()
+    expected = reference.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with pytest.raises(smpart.SmpartError, match="only inside a step") as outside:
+        dm.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    return torch.equal(produced, expected), str(outside.value)
+
+
+@pytest.mark.timeout(120)
+def test_generate_runs_inside_a_step_and_outside_one_says_so_where_a_rank_holds_one_stage():
+    for same, outside in values(run_ranks(_generate, 2, timeout_s=110)):
+        assert same
+        assert "meta device" in outside and "@smpart.step" in outside, outside
+
+
 def _hf_gpt2_full_size(rank):
     """GPT-2 exactly as `GPT2Config()` builds it (124M parameters, float32), one training step;
     in eval mode, so that dropout draws no random numbers (their order differs between one

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from smpart.errors import PipelineError
+from smpart.errors import PipelineError, SmpartError
 
 
 class Endpoint(Protocol):
@@ -107,7 +107,9 @@ class StagedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         frame = current_frame()
-        if frame is None:
+        if frame is None:  # outside a step (threads: every stage is here; processes: only its own)
+            if _holds_meta(self.module):
+                raise only_inside_a_step(f"module {self.name!r}")
             return self.run_here(None, args, kwargs)
         if frame.stage != self.stage:
             return frame.endpoint.call(frame, self.stage, self.model, self.name, args, kwargs)
@@ -135,6 +137,19 @@ class StagedForward:
     @property
     def __signature__(self) -> inspect.Signature:
         return inspect.signature(self.__wrapped__)
+
+
+def _holds_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))
+
+
+def only_inside_a_step(what: str) -> SmpartError:
+    """The error for running ``what``, whose weights are on the meta device here, outside a step."""
+    return SmpartError(
+        f"{what} has weights on the meta device here (under torchrun a rank keeps only its own stage's "
+        "weights once the model is placed; a model built on meta gets them at its first step), so it "
+        "can run only inside a step: call it from an @smpart.step function, e.g. @smpart.step def "
+        "predict(model, x): return model(x) (or model.generate(x))")
 
 
 def install(module: nn.Module, model: int, name: str, stage: int) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from smpart.errors import SmpartError
 from smpart.partition.result import Partition
-from smpart.runtime.calls import current_frame
+from smpart.runtime.calls import current_frame, only_inside_a_step
 from smpart.runtime.driver import Driver
 
 _model_ids = itertools.count()
@@ -60,6 +60,8 @@ class DistributedModel:
         #: Whether a placement on processes left this rank's copy not whole: other stages' tensors
         #: released to meta, layers split into shards (`replicas.make_whole`).
         self._released = False
+        #: Whether a step already said it ran this model whole (`step_function._warn_if_unsplit`).
+        self._warned_unsplit = False
 
     # ================================================================ running
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -68,11 +70,7 @@ class DistributedModel:
             driver.wait_turn()
             driver.run.runtime.ensure_placed(self, args, kwargs)
         elif _has_meta_weights(self.module):
-            raise SmpartError(
-                "this model has weights on the meta device here (under torchrun a rank keeps only its own "
-                "stage's weights once the model is placed; a model built on meta gets them at its first "
-                "step), so it can run only inside a step: call it from an @smpart.step function, e.g. "
-                "@smpart.step def predict(model, x): return model(x)")
+            raise only_inside_a_step("this model")
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:

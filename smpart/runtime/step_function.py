@@ -8,6 +8,7 @@ the tensor arguments split along their batch axis; the model argument must be a
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -34,6 +35,7 @@ class StepFunction:
                                  skip=lambda v: isinstance(v, DistributedModel | nn.Module),
                                  non_split=self.non_split_inputs, axes=self.input_split_axes)
         results, timeline = runtime.run_step(self.fn, pieces)
+        _warn_if_unsplit(self.fn, args, kwargs)
         return step_outputs(results, timeline)
 
 
@@ -47,6 +49,18 @@ def step(fn: Callable | None = None, *, non_split_inputs: Iterable[str] = (),
     if fn is None:
         return lambda f: StepFunction(f, non_split_inputs, input_split_axes)
     return StepFunction(fn, non_split_inputs, input_split_axes)
+
+
+def _warn_if_unsplit(fn: Callable, args: tuple, kwargs: dict) -> None:
+    """A model is split at its first call inside a step; a body that only used one of its methods
+    (``model.generate(...)``) ran it whole where the body runs. Said once per model."""
+    model = next(v for v in (*args, *kwargs.values()) if isinstance(v, DistributedModel))
+    if model._partition is None and not model._warned_unsplit:
+        model._warned_unsplit = True
+        warnings.warn(f"step {fn.__name__}() did not call the model itself (model(...)), so the model was "
+                      "not split: it ran whole where the step body runs. smpart splits a model at its "
+                      "first call inside a step; call it once first (e.g. a step returning model(x)), "
+                      "then model.generate(...) and the like run split", stacklevel=3)
 
 
 def _check_models(fn: Callable, args: tuple, kwargs: dict) -> None:

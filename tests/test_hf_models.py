@@ -296,6 +296,37 @@ def test_a_step_that_only_generates_says_the_model_ran_whole_until_a_call_splits
         assert torch.equal(generate(dm, prompt).concat(), expected)
 
 
+# ==================================================================== gradient checkpointing
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("name", "reentrant", "when"), [("gpt2", True, "before"), ("llama", False, "after")])
+def test_hf_gradient_checkpointing_recomputes_the_layers_each_stage_holds_whole(name, reentrant, when):
+    """``gradient_checkpointing_enable()`` before the first step or between steps: a layer the
+    partition cut recomputing in the backward would call the other stage from inside it (a hang);
+    its checkpointing goes off, with a warning, and the layers held whole still recompute."""
+    case, model, reference = build(name, train=True)
+    dm = start(model, 2)
+    enable = {"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
+    reference.gradient_checkpointing_enable(**enable)
+    for step in range(2):
+        if step == (0 if when == "before" else 1):
+            model.gradient_checkpointing_enable(**enable)
+        x, labels = case.inputs(step)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # whether a layer was cut depends on the partition
+            out = train_step(dm, x, labels)
+        assert_close_to(out.stack(), reference_losses(reference, x, labels), case.tol, f"loss of step {step}")
+        assert_same_grads(dm, reference, case.tol)
+        dm.zero_grad()
+        reference.zero_grad()
+    stages = smpart.partition_of(dm).module_stages()
+    layers = [(n, m) for n, m in model.named_modules()
+              if isinstance(m, transformers.GradientCheckpointingLayer)]
+    kept = {n: m.gradient_checkpointing for n, m in layers}
+    whole = {n: len({s for other, s in stages.items() if other == n or other.startswith(n + ".")}) == 1
+             for n, _ in layers}
+    assert kept == whole and any(kept.values()), (kept, whole)
+
+
 # ==================================================================== autocast
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("where", ["inside", "around"])

@@ -11,6 +11,7 @@ the parameters keep working) and install a `StagedForward` that routes calls to 
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -58,6 +59,7 @@ def make_partition(model: nn.Module, args: tuple, kwargs: dict, config: Config,
         ac.apply(model, names)
     partition = _trace_and_partition(model, args, kwargs, config, pins)
     _keep_checkpoints_within_stages(model, names, partition)
+    keep_hf_checkpoints_within_stages(model, partition)
     return partition
 
 
@@ -66,12 +68,50 @@ def _keep_checkpoints_within_stages(model: nn.Module, names: list[str], partitio
 
     stages = module_stages(model, partition)
     for name in names:
-        spread = {stage for other, stage in stages.items() if other == name or other.startswith(f"{name}.")}
+        spread = _stages_under(stages, name)
         if len(spread) > 1:
             ac.uncheckpoint(model.get_submodule(name))
             warnings.warn(f"smpart: activation checkpointing of {name!r} is off: the partition put its "
                           f"modules on stages {sorted(spread)}; checkpoint its children instead ({name}.*)",
                           stacklevel=3)
+
+
+def keep_hf_checkpoints_within_stages(model: nn.Module, partition: Partition) -> None:
+    """Hugging Face's gradient checkpointing (``model.gradient_checkpointing_enable()``, a module's
+    ``gradient_checkpointing`` flag) recomputes the flagged module's forward in the backward. Where
+    the partition spread that module over several stages, the recomputation would call the other
+    stages from inside a backward segment, which waits for their turn (a hang): there it is turned
+    off, with a warning, as smpart's own checkpointing is. Checked at placement and at every step
+    (the flag may be set after the first step); every rank decides alike, from the partition."""
+    flagged = [name for name, m in model.named_modules() if _hf_checkpointed(m)]
+    if not flagged:
+        return
+    stages = module_stages(model, partition)
+    for name in flagged:
+        spread = _stages_under(stages, name)
+        if len(spread) > 1:
+            model.get_submodule(name).gradient_checkpointing = False
+            warnings.warn(f"smpart: Hugging Face's gradient checkpointing of {name or 'the model'!r} is "
+                          f"off: the partition put its modules on stages {sorted(spread)}, and recomputing "
+                          "it would call other stages from inside the backward. Layers placed whole on one "
+                          "stage still recompute", stacklevel=3)
+
+
+def _hf_checkpointed(module: nn.Module) -> bool:
+    """Whether Hugging Face checkpoints ``module``'s calls: its flag is set, and it is one of the
+    layers that act on it (`GradientCheckpointingLayer`, where transformers has that class; before
+    it, the base models that wrap their layers' calls hold the flag)."""
+    if getattr(module, "gradient_checkpointing", False) is not True:
+        return False
+    layers = sys.modules.get("transformers.modeling_layers")
+    layer_class = getattr(layers, "GradientCheckpointingLayer", None)
+    return layer_class is None or isinstance(module, layer_class)
+
+
+def _stages_under(stages: dict[str, int], name: str) -> set[int]:
+    """The stages of module ``name`` and the modules inside it."""
+    prefix = f"{name}." if name else ""
+    return {stage for other, stage in stages.items() if other == name or other.startswith(prefix)}
 
 
 def _trace_and_partition(model: nn.Module, args: tuple, kwargs: dict, config: Config,

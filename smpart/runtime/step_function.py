@@ -17,6 +17,7 @@ from torch import nn
 from smpart.errors import SmpartError
 from smpart.runtime.microbatches import StepOutput, split_arguments, step_outputs
 from smpart.runtime.model import DistributedModel
+from smpart.runtime.placement import keep_hf_checkpoints_within_stages
 from smpart.runtime.runtime import current_runtime
 
 
@@ -31,11 +32,14 @@ class StepFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> StepOutput | tuple[StepOutput, ...]:
         runtime = current_runtime()
         _check_models(self.fn, args, kwargs)
+        model = _model_of(args, kwargs)
+        if model._partition is not None:
+            keep_hf_checkpoints_within_stages(model.module, model._partition)
         pieces = split_arguments(self.fn, args, kwargs, runtime.config.microbatches,
                                  skip=lambda v: isinstance(v, DistributedModel | nn.Module),
                                  non_split=self.non_split_inputs, axes=self.input_split_axes)
         results, timeline = runtime.run_step(self.fn, pieces)
-        _warn_if_unsplit(self.fn, args, kwargs)
+        _warn_if_unsplit(self.fn, model)
         return step_outputs(results, timeline)
 
 
@@ -51,10 +55,13 @@ def step(fn: Callable | None = None, *, non_split_inputs: Iterable[str] = (),
     return StepFunction(fn, non_split_inputs, input_split_axes)
 
 
-def _warn_if_unsplit(fn: Callable, args: tuple, kwargs: dict) -> None:
+def _model_of(args: tuple, kwargs: dict) -> DistributedModel:
+    return next(v for v in (*args, *kwargs.values()) if isinstance(v, DistributedModel))
+
+
+def _warn_if_unsplit(fn: Callable, model: DistributedModel) -> None:
     """A model is split at its first call inside a step; a body that only used one of its methods
     (``model.generate(...)``) ran it whole where the body runs. Said once per model."""
-    model = next(v for v in (*args, *kwargs.values()) if isinstance(v, DistributedModel))
     if model._partition is None and not model._warned_unsplit:
         model._warned_unsplit = True
         warnings.warn(f"step {fn.__name__}() did not call the model itself (model(...)), so the model was "

@@ -6,6 +6,7 @@ semantics (the loss of a step is the mean of the per-micro-batch losses; gradien
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from dataclasses import dataclass, field
@@ -200,7 +201,8 @@ def test_sum_instead_of_average():
 
 
 @pytest.mark.timeout(60)
-def test_eval_step_runs_forward_only():
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "inference_mode around the call"])
+def test_eval_step_runs_forward_only(mode):
     example = ZOO["t5"](dtype=torch.float64)
     reference = copy.deepcopy(example.model)
     smpart.init(pipeline_parallel_degree=3, microbatches=2)
@@ -208,11 +210,13 @@ def test_eval_step_runs_forward_only():
 
     @smpart.step
     def eval_step(model, args, kwargs):
-        with torch.no_grad():
+        modes = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+        with modes.get(mode, contextlib.nullcontext)():
             return model(*args, **kwargs)["logits"]
 
     args, kwargs, _ = example.batch(4)
-    out = eval_step(model, args, kwargs)
+    with torch.inference_mode(mode == "inference_mode around the call"):
+        out = eval_step(model, args, kwargs)
     with torch.no_grad():
         expected = reference(*args, **kwargs)["logits"]
     assert (out.concat() - expected).abs().max() <= TOL

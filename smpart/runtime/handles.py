@@ -121,7 +121,7 @@ class Handle(torch.Tensor):
 
     _ref: HandleRef
     _value: torch.Tensor | None
-    _seen: int
+    _seen: int | None
     _used: bool
     _lock: threading.Lock
 
@@ -175,7 +175,7 @@ class Handle(torch.Tensor):
                     if frame is not None:
                         value = frame.endpoint.fetch(frame, self._ref, self._value)
                         if self._value is None:
-                            self._seen = value._version
+                            self._seen = _version(value)
                             self._value = value
                     self._used = True
         return self._value  # type: ignore[return-value]
@@ -187,7 +187,7 @@ class Handle(torch.Tensor):
             try:
                 if self._value is None:
                     value = make()
-                    self._seen = value._version
+                    self._seen = _version(value)
                     self._value = value
             finally:
                 self._lock.release()
@@ -197,7 +197,8 @@ class Handle(torch.Tensor):
         it was materialised to if that was modified in place since (or, ``materialised_as_data``, if
         it is here at all). A small tensor's data does not go back to its owner."""
         value = self._value
-        if value is not None and (materialised_as_data or value._version != self._seen):
+        version = None if value is None else _version(value)
+        if value is not None and (materialised_as_data or version is None or version != self._seen):
             return value
         return self._ref.without_data() if self._ref.owner == to else self._ref
 
@@ -309,3 +310,9 @@ def arrive_fetched(tensor: torch.Tensor, ref: HandleRef, device: torch.device | 
 def describe_missing(ref: HandleRef, stage: int) -> str:
     return (f"stage {stage} no longer holds output {ref.index} of call {ref.call_id} (micro-batch "
             f"{ref.microbatch}, step {ref.step}): a tensor was used after its micro-batch was released")
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """``tensor``'s count of in-place changes; None for an inference tensor (made under
+    ``torch.inference_mode``), which keeps none: it counts as changed, so its data travels."""
+    return None if tensor.is_inference() else tensor._version

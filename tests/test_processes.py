@@ -858,6 +858,44 @@ def test_tensor_parallel_replicas_train_like_the_unsplit_model(pp, world):
         assert worst <= TOL and norm_diff <= 1e-9, (worst, norm_diff)
 
 
+def _hf_tensor_parallel(rank, names):
+    """Hugging Face models as built, tp = 2: two SGD steps, losses and the whole state dict against
+    the unsplit model (each model's own adapter splits its attention heads)."""
+    from tests import test_hf_models as hf
+
+    report = {}
+    for name in names:
+        case, model, reference = hf.build(name, train=True)
+        smpart.init(tensor_parallel_degree=2, microbatches=2, timeout_s=60)
+        try:
+            dm = smpart.DistributedModel(model)
+            opt = smpart.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.1))
+            ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+            losses = []
+            for step in range(2):
+                x, labels = case.inputs(step)
+                out = hf.train_step(dm, x, labels)
+                losses.append((out.stack() - hf.reference_losses(reference, x, labels)).abs().max().item())
+                for o in (opt, ref_opt):
+                    o.step()
+                    o.zero_grad()
+            full = dm.state_dict()
+            worst = max(((full[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)).item()
+                        for k, v in reference.state_dict().items() if v.is_floating_point())
+            report[name] = (max(losses), worst, len(dm.tensor_parallel_plan.attention), case.tol)
+        finally:
+            smpart.shutdown()
+    return report
+
+
+@pytest.mark.timeout(150)
+def test_hugging_face_models_split_for_tensor_parallelism_train_like_the_unsplit_ones():
+    for report in values(run_ranks(_hf_tensor_parallel, 2, ["bert", "llama", "opt"], timeout_s=140)):
+        for name, (loss_diff, worst, attentions, tol) in report.items():
+            assert attentions > 0, f"{name}: no attention's heads were split"
+            assert loss_diff <= tol and worst <= tol, (name, loss_diff, worst)
+
+
 def _plain_optimizer(rank):
     """tp = 2 with torch's own AdamW, made from ``model.parameters()`` before the first step split
     the layers into new (DTensor) parameters, as a script that never heard of DistributedOptimizer

@@ -428,6 +428,12 @@ def attention_adapter(module: nn.Module) -> AttentionAdapter | None:
     return next((a for a in _ADAPTERS if a.matches(module)), None)
 
 
+def adapter_named(name: str) -> AttentionAdapter | None:
+    """The registered adapter a plan names (once its layers are swapped, an attention may no longer
+    look as it did when the plan matched it: its ``nn.Linear`` projections are shards now)."""
+    return next((a for a in _ADAPTERS if a.name == name), None)
+
+
 _HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nhead", "num_key_value_heads")
 
 

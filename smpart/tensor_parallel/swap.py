@@ -30,7 +30,7 @@ from smpart.tensor_parallel.layers import (
     TensorParallelError,
     tp_mesh,
 )
-from smpart.tensor_parallel.plan import TensorParallelPlan, _kind, attention_adapter
+from smpart.tensor_parallel.plan import TensorParallelPlan, _kind, adapter_named
 from smpart.tensor_parallel.plan import _PublishedAttention as _Published
 
 
@@ -131,7 +131,7 @@ def _parameter_owners(model: nn.Module) -> dict[int, tuple[str, ...]]:
 
 def _localize(module: nn.Module, plan: TensorParallelPlan, name: str) -> dict[str, tuple[Any, Any]]:
     split = plan.attention[name]
-    adapter = attention_adapter(module)
+    adapter = adapter_named(split.adapter)
     if adapter is None:
         if split.adapter != _Published.name:
             raise TensorParallelError(f"{name}: the plan split its heads with the {split.adapter!r} adapter, "

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import smpart
@@ -192,6 +193,30 @@ def test_non_split_inputs_and_split_axes():
     with torch.no_grad():
         expected = copy.deepcopy(model)(xt.t()) * 2
     assert (out.concat() - expected).abs().max() <= TOL
+
+
+@pytest.mark.timeout(60)
+def test_a_tensor_meant_whole_that_the_step_split_is_named_in_the_error():
+    """Class weights passed to the step are split like the batch (SMP's rule): the body's error
+    says so and names the way out, which then gives the unsplit model's loss."""
+    smpart.init(pipeline_parallel_degree=2, microbatches=2)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).double()
+    reference = copy.deepcopy(model)
+    dm = smpart.DistributedModel(model)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 3])
+    weights = torch.arange(1.0, 9.0, dtype=torch.float64)  # one per class of 8
+
+    def body(model, x, y, weights):
+        return F.cross_entropy(model(x), y, weight=weights)
+
+    with pytest.raises(smpart.PipelineError, match=r"split into 2 micro-batches.*non_split_inputs"):
+        smpart.step(body)(dm, x, y, weights)
+    out = smpart.step(non_split_inputs=["weights"])(body)(dm, x, y, weights)
+    with torch.no_grad():
+        expected = [F.cross_entropy(reference(xs), ys, weight=weights)
+                    for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True)]
+    assert (out.stack() - torch.stack(expected)).abs().max() <= TOL
 
 
 class Relay(nn.Module):

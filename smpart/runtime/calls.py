@@ -178,8 +178,9 @@ def mark_origin(err: BaseException, stage: int | None, module: str, microbatch: 
 
 
 def as_pipeline_error(err: BaseException, stage: int | None, module: str | None, microbatch: int,
-                      phase: str = "forward", rank: int | None = None) -> PipelineError:
-    """``err`` as a `PipelineError` naming where it happened (already one: returned unchanged)."""
+                      phase: str = "forward", rank: int | None = None, hint: str = "") -> PipelineError:
+    """``err`` as a `PipelineError` naming where it happened (already one: returned unchanged);
+    ``hint`` (for an error the step body raised itself) ends the message."""
     if isinstance(err, PipelineError):
         return err
     stage, module, microbatch = getattr(err, "_smpart_origin", (stage, module, microbatch))
@@ -187,8 +188,10 @@ def as_pipeline_error(err: BaseException, stage: int | None, module: str | None,
     if rank is not None:
         where += f" (rank {rank})"
     what = "" if module is None else f" in module {module or '<root>'!r}"
+    if module is not None:
+        hint = ""
     failure = PipelineError(
-        f"{phase} of micro-batch {microbatch} failed on {where}{what}: {type(err).__name__}: {err}",
+        f"{phase} of micro-batch {microbatch} failed on {where}{what}: {type(err).__name__}: {err}{hint}",
         stage=stage, module=module, microbatch=microbatch, rank=rank,
     )
     failure.__cause__ = err

@@ -87,7 +87,7 @@ class Driver:
             finished.error = Cancelled()
         except BaseException as err:  # noqa: BLE001 - every failure must reach the coordinator
             finished.error = err if isinstance(err, SmpartError) else as_pipeline_error(
-                err, None, None, mb, "step", rank=run.rank)
+                err, None, None, mb, "step", rank=run.rank, hint=_split_hint(err, run.microbatches))
         finally:
             self._advance_turn()
             run.transport.close(self.address)
@@ -280,3 +280,12 @@ class Driver:
             raise PipelineError(f"micro-batch {self.microbatch} waited more than {self.run.timeout_s} s for "
                                 f"{waiting_for} (a hang, or work slower than the configured timeout_s)",
                                 microbatch=self.microbatch, rank=self.run.rank)
+
+
+def _split_hint(err: BaseException, microbatches: int) -> str:
+    """For a shape-like error in the step body: that its tensor arguments were split (a tensor
+    meant whole, such as class weights, arrives cut into micro-batches unless named)."""
+    if microbatches < 2 or not isinstance(err, RuntimeError | ValueError | IndexError):
+        return ""
+    return (f" (every tensor argument of the step is split into {microbatches} micro-batches along "
+            "dim 0; pass the ones meant whole with @smpart.step(non_split_inputs=['name']))")

@@ -287,5 +287,7 @@ def _split_hint(err: BaseException, microbatches: int) -> str:
     meant whole, such as class weights, arrives cut into micro-batches unless named)."""
     if microbatches < 2 or not isinstance(err, RuntimeError | ValueError | IndexError):
         return ""
+    if isinstance(err, torch.OutOfMemoryError):  # a RuntimeError too, and nothing to do with splitting
+        return ""
     return (f" (every tensor argument of the step is split into {microbatches} micro-batches along "
             "dim 0; pass the ones meant whole with @smpart.step(non_split_inputs=['name']))")

@@ -108,7 +108,7 @@ class StagedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         frame = current_frame()
         if frame is None:  # outside a step (threads: every stage is here; processes: only its own)
-            if _holds_meta(self.module):
+            if holds_meta(self.module, recurse=False):
                 raise only_inside_a_step(f"module {self.name!r}")
             return self.run_here(None, args, kwargs)
         if frame.stage != self.stage:
@@ -139,8 +139,9 @@ class StagedForward:
         return inspect.signature(self.__wrapped__)
 
 
-def _holds_meta(module: nn.Module) -> bool:
-    return any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))
+def holds_meta(module: nn.Module, recurse: bool = True) -> bool:
+    """Whether any of ``module``'s parameters or buffers (its own only, without ``recurse``) is on meta."""
+    return any(t.is_meta for t in (*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)))
 
 
 def only_inside_a_step(what: str) -> SmpartError:

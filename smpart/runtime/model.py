@@ -18,7 +18,7 @@ from torch import nn
 
 from smpart.errors import SmpartError
 from smpart.partition.result import Partition
-from smpart.runtime.calls import current_frame, only_inside_a_step
+from smpart.runtime.calls import current_frame, holds_meta, only_inside_a_step
 from smpart.runtime.driver import Driver
 
 _model_ids = itertools.count()
@@ -69,7 +69,7 @@ class DistributedModel:
         if driver is not None:
             driver.wait_turn()
             driver.run.runtime.ensure_placed(self, args, kwargs)
-        elif _has_meta_weights(self.module):
+        elif holds_meta(self.module):
             raise only_inside_a_step("this model")
         return self.module(*args, **kwargs)
 
@@ -154,7 +154,7 @@ class DistributedModel:
             if missing or unexpected:
                 raise SmpartError(f"load_state_dict: missing keys {missing[:10]}, unexpected keys "
                                   f"{unexpected[:10]}; is it a state dict of this model?")
-        if self._runtime is None and _has_meta_weights(self.module):
+        if self._runtime is None and holds_meta(self.module):
             # Built on meta: each stage's tensors are made at placement, and take their entries then.
             self._after_placement.append(lambda: self.load_state_dict(state_dict, strict=False))
             return nn.modules.module._IncompatibleKeys([], [])
@@ -244,10 +244,6 @@ def _refuse_compiled(module: nn.Module) -> None:
                           f"{' ...' if len(compiled) > 5 else ''}. smpart calls modules across stages from "
                           "Python, which compiled code cannot contain: compile inside a module's forward "
                           "instead (a torch.compile'd function it calls), or leave them uncompiled")
-
-
-def _has_meta_weights(module: nn.Module) -> bool:
-    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
 
 def _driver() -> Driver | None:

@@ -31,8 +31,7 @@ class StepFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> StepOutput | tuple[StepOutput, ...]:
         runtime = current_runtime()
-        _check_models(self.fn, args, kwargs)
-        model = _model_of(args, kwargs)
+        model = _the_model(self.fn, args, kwargs)
         if model._partition is not None:
             keep_hf_checkpoints_within_stages(model.module, model._partition)
         pieces = split_arguments(self.fn, args, kwargs, runtime.config.microbatches,
@@ -55,10 +54,6 @@ def step(fn: Callable | None = None, *, non_split_inputs: Iterable[str] = (),
     return StepFunction(fn, non_split_inputs, input_split_axes)
 
 
-def _model_of(args: tuple, kwargs: dict) -> DistributedModel:
-    return next(v for v in (*args, *kwargs.values()) if isinstance(v, DistributedModel))
-
-
 def _warn_if_unsplit(fn: Callable, model: DistributedModel) -> None:
     """A model is split at its first call inside a step; a body that only used one of its methods
     (``model.generate(...)``) ran it whole where the body runs. Said once per model."""
@@ -70,13 +65,16 @@ def _warn_if_unsplit(fn: Callable, model: DistributedModel) -> None:
                       "then model.generate(...) and the like run split", stacklevel=3)
 
 
-def _check_models(fn: Callable, args: tuple, kwargs: dict) -> None:
+def _the_model(fn: Callable, args: tuple, kwargs: dict) -> DistributedModel:
+    """The step's one `DistributedModel` argument (plain modules, or none or several, refused)."""
     values = list(args) + list(kwargs.values())
     plain = [v for v in values if isinstance(v, nn.Module)]
     if plain:
         raise SmpartError(
             f"step {fn.__name__}() got a plain torch.nn.Module ({type(plain[0]).__name__}); wrap it first: "
             "model = smpart.DistributedModel(model)")
-    if sum(isinstance(v, DistributedModel) for v in values) != 1:
+    models = [v for v in values if isinstance(v, DistributedModel)]
+    if len(models) != 1:
         raise SmpartError(f"step {fn.__name__}() needs exactly one smpart.DistributedModel among its "
                           "arguments")
+    return models[0]

@@ -75,6 +75,11 @@ class Config:
     #: module's output shapes depend on its data (then one step fails, naming it).
     #: ``SMPART_PROMISES=0`` sets the default.
     promised_calls: bool = field(default_factory=lambda: os.environ.get("SMPART_PROMISES", "1") != "0")
+    #: From a model's second step on, every rank runs its part of the step as a fixed list of
+    #: actions on one thread, with one-way transfers (`smpart.runtime.program`); the first step of
+    #: each kind, and any step its program cannot run, runs on the reference runtime. Only speed
+    #: changes. ``SMPART_PROGRAMS=0`` sets the default.
+    step_programs: bool = field(default_factory=lambda: os.environ.get("SMPART_PROGRAMS", "1") != "0")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -123,7 +128,7 @@ class Config:
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ConfigError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
                               f"got {self.placement_strategy!r}")
-        for switch in ("output_handles", "direct_dispatch", "promised_calls"):
+        for switch in ("output_handles", "direct_dispatch", "promised_calls", "step_programs"):
             if not isinstance(getattr(self, switch), bool):
                 raise ConfigError(f"{switch} must be True or False, got {getattr(self, switch)!r}")
         if self.backend not in BACKENDS:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from smpart.errors import PipelineError, SmpartError
+from smpart.runtime.program import templates
 
 
 class Endpoint(Protocol):
@@ -63,6 +64,9 @@ class Frame:
     promised: list | None = None
     token: Any = None
     outgoing: tuple[Any, list] | None = None
+    #: A step program's glue (`program.glue`): every module call goes to the endpoint's
+    #: ``glue_call``, which runs a split module here and a whole one on its rank.
+    glue: bool = False
 
     @property
     def stage(self) -> int | None:
@@ -111,6 +115,8 @@ class StagedForward:
             if holds_meta(self.module, recurse=False):
                 raise only_inside_a_step(f"module {self.name!r}")
             return self.run_here(None, args, kwargs)
+        if frame.glue:
+            return frame.endpoint.glue_call(self, args, kwargs)
         if frame.stage != self.stage:
             return frame.endpoint.call(frame, self.stage, self.model, self.name, args, kwargs)
         if frame.outgoing is not None:  # promised requests wait no longer once work starts here
@@ -120,14 +126,24 @@ class StagedForward:
         return self.run_here(frame, args, kwargs)
 
     def run_here(self, frame: Frame | None, args: tuple, kwargs: dict) -> Any:
+        recorder = templates.recording() if frame is not None else None
+        boundary = recorder is not None and recorder.enter(self.model, self.name)
         try:
             if self.instance_forward is not None:
-                return self.instance_forward(*args, **kwargs)
-            return type(self.module).forward(self.module, *args, **kwargs)
+                output = self.instance_forward(*args, **kwargs)
+            else:
+                output = type(self.module).forward(self.module, *args, **kwargs)
         except Exception as err:
             if frame is not None:
                 mark_origin(err, frame.stage, self.name, frame.microbatch)
             raise
+        finally:
+            if recorder is not None:
+                recorder.leave(self.model, self.name)
+        if boundary:
+            recorder.record(self.model, self.name, args, kwargs, output,  # type: ignore[union-attr]
+                            frame.microbatch)  # type: ignore[union-attr]
+        return output
 
     @property
     def __wrapped__(self) -> Any:

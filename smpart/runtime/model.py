@@ -65,6 +65,9 @@ class DistributedModel:
 
     # ================================================================ running
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        frame = current_frame()
+        if frame is not None and frame.glue:  # a step program: every module call goes through its glue
+            return self.module(*args, **kwargs)
         driver = _driver()
         if driver is not None:
             driver.wait_turn()
@@ -75,6 +78,10 @@ class DistributedModel:
 
     def backward(self, loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:
         """Backward of this micro-batch's ``loss`` through every stage; once per step body."""
+        frame = current_frame()
+        if frame is not None and frame.glue:
+            frame.endpoint.backward(loss, grad)
+            return
         driver = _driver()
         if driver is None:
             raise SmpartError("model.backward(loss) works only inside an @smpart.step function (it starts "

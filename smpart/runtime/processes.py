@@ -52,6 +52,9 @@ from smpart.runtime.messages import (
     StepResult,
 )
 from smpart.runtime.placement import place_on_rank, unplace
+from smpart.runtime.program import steps as program_steps
+from smpart.runtime.program import templates
+from smpart.runtime.program.messages import PROGRAM, BeginProgram
 from smpart.runtime.replicas import (
     check_same_model,
     initialisation_seed,
@@ -186,11 +189,12 @@ class ProcessRuntime:
         # The tensor-parallel ranks of this stage follow the first one's order of work (`scheduler`).
         shards = [layout.rank_of(self.stage, self.dp_rank, t) for t in range(layout.tp)]
         peers = sorted({*replica, *shards} - {self.rank})
-        self.transport = RoutedTransport(
+        self.transport: RoutedTransport = RoutedTransport(
             lambda deliver: ProcessTransport(self.rank, self.setup.world_size, self.setup.transport_group,
                                              data_groups=self.setup.data_groups, timeout_s=config.timeout_s,
                                              peers=peers, deliver=deliver),
             self.rank, direct=config.direct_dispatch)
+        self.transport.open((self.rank, PROGRAM))  # a program step's transfers to this rank
         self.server = StageServer(self.stage, self.num_stages, self.rank, self.setup.device, self.transport,
                                   self.place_of_stage, rank=self.rank,
                                   tp_followers=shards[1:] if self.tp_rank == 0 else [],
@@ -221,13 +225,24 @@ class ProcessRuntime:
         if layout.pp > 1 or layout.tp > 1:  # a rank holds part of the gradient: clip by the whole's norm
             torch_clip.install(self)
 
+    def step_ranks(self) -> list[int]:
+        """The ranks that take part in this rank's pipeline steps: every stage and tensor-parallel
+        index of its replica."""
+        layout = self.layout
+        return [layout.rank_of(s, self.dp_rank, t) for s in range(layout.pp) for t in range(layout.tp)]
+
+    def gradients_final(self) -> None:
+        """This rank's gradients are final (a program step's last backward ran): average them."""
+        self._current_reducer().flush()
+
     def place_of_stage(self, stage: int) -> int:
         """The rank of ``stage`` in this rank's replica, with this rank's tensor-parallel index (each
         tensor-parallel rank talks to its peers: their messages are the same)."""
         return self.layout.rank_of(stage, self.dp_rank, self.tp_rank)
 
     # ================================================================ steps
-    def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]]) -> tuple[list[Any], Any]:
+    def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]],
+                 model: Any = None) -> tuple[list[Any], Any]:
         from smpart.runtime.runtime import _in_step, in_a_step
 
         if in_a_step():
@@ -240,22 +255,24 @@ class ProcessRuntime:
                 self._start_alike(pieces)
                 if self.is_driver:
                     self.states.before_step(step)  # its parameters hold still until the step begins
-                    return self._drive(step, fn, pieces)
+                    return self._drive(step, fn, pieces, model)
                 self.states.answer_waiting()  # before the stage may begin the step (`arm`)
                 self.states.done_asking(self.driver_place, step)
-                return self._follow(step)
+                return self._follow(step, fn, model)
             finally:
                 self.transport.step = None
                 self.steps_taken = step + 1
                 _in_step.active = False
 
-    def _drive(self, step: int, fn: Callable, pieces: list[tuple[tuple, dict]]) -> tuple[list[Any], Any]:
+    def _drive(self, step: int, fn: Callable, pieces: list[tuple[tuple, dict]],
+               model: Any) -> tuple[list[Any], Any]:
         error: BaseException | None = None
         results = timeline = None
         try:
             self._check_replicas_agree(pieces)
             self._begin_gradient_sync()
-            results, timeline = StepRun(self, step, fn, pieces).execute()
+            results, timeline = program_steps.drive(self, step, fn, pieces, model,
+                                            lambda: StepRun(self, step, fn, pieces).execute())
         except BaseException as err:  # noqa: BLE001 - every rank hears of it, then it is raised here
             error = err
         result = StepResult(step, results, timeline, _shippable(error, self.rank))
@@ -268,17 +285,33 @@ class ProcessRuntime:
         self._end_step(error)
         return results, timeline
 
-    def _follow(self, step: int) -> tuple[list[Any], Any]:
-        """Serve (in the stage server's threads) until the driver's rank says the step is over."""
+    def _follow(self, step: int, fn: Callable, model: Any) -> tuple[list[Any], Any]:
+        """Serve (in the stage server's threads, or this rank's program on this thread) until the
+        driver's rank says the step is over."""
         self._begin_gradient_sync()
         self.server.arm(step)
         timeout_s = self.config.timeout_s
         started = time.monotonic()
         main = (self.rank, MAIN)
+        recorder = templates.Recorder()
+        templates.start_recording(recorder)  # a reference step records what its calls return
+        try:
+            return self._serve_step(step, fn, model, main, started, timeout_s, recorder)
+        finally:
+            templates.start_recording(None)
+
+    def _serve_step(self, step: int, fn: Callable, model: Any, main: Address, started: float,
+                    timeout_s: float, recorder: templates.Recorder) -> tuple[list[Any], Any]:
         # A step may take longer than timeout_s (a limit on each wait); give up only when neither the
         # driver's rank answered nor this stage heard anything for that long.
         while time.monotonic() - max(started, self.server.last_activity) < timeout_s:
             message = self._deferred.pop(0) if self._deferred else self.transport.receive(main, POLL_S)
+            if isinstance(message, BeginProgram):
+                templates.start_recording(None)
+                program_steps.follow(self, message, fn, model)
+                templates.start_recording(recorder)  # a step given up runs again on the reference runtime
+                started = time.monotonic()
+                continue
             if isinstance(message, StateRequest):
                 # Until the step begins here (the driver's rank asking before it begins it), this
                 # rank's parameters hold still; after, they do once the optimizer has stepped.
@@ -495,6 +528,7 @@ class ProcessRuntime:
                 initialisation_seed(model._init_seed, model.model_id, self.stage))
         kept = place_on_rank(model.module, model.model_id, partition, self.server,
                              loading=bool(model._after_placement), seed=seed)
+        program_steps.placed(model, partition)
         # every rank released the other stages' tensors, or split layers into its shards
         model._released = self.num_stages > 1 or self.layout.tp > 1
         self.resident_bytes[model.model_id] = kept
@@ -543,6 +577,7 @@ class ProcessRuntime:
             self._reducer.remove()
         for model in list(self.models.values()):
             unplace(model.module, self.servers)
+            templates.forget(model.model_id)
             model._runtime = None
         stuck = self.server.stop(timeout_s)
         self.transport.shutdown()

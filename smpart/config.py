@@ -32,6 +32,11 @@ class Config:
     pipeline: str = "interleaved"
     #: Cap on micro-batches in flight at once (None: the schedule's own bound).
     active_microbatches: int | None = None
+    #: Stages per pipeline rank: the model is cut into ``pipeline_parallel_degree x virtual_stages``
+    #: stages, rank ``r`` holding stages ``r``, ``r + pp``, ... (round-robin), run as torch's
+    #: ``Interleaved1F1B`` runs them (step programs; the first step runs them on the reference
+    #: runtime, a rank serving its stages as one). ``pin`` names these stages.
+    virtual_stages: int = 1
     tensor_parallel_degree: int = 1
     #: None: derived from the world size (world = pp x tp x dp); 1 on threads.
     data_parallel_degree: int | None = None
@@ -111,6 +116,11 @@ class Config:
         return dataclasses.asdict(self)
 
     @property
+    def partition_stages(self) -> int:
+        """How many stages the model is cut into: ``pipeline_parallel_degree x virtual_stages``."""
+        return self.pipeline_parallel_degree * self.virtual_stages
+
+    @property
     def schedule(self) -> str:
         """The schedule's canonical name ("gpipe" or "1f1b"), whichever alias was configured."""
         return PIPELINE_ALIASES.get(self.pipeline, self.pipeline)
@@ -121,6 +131,7 @@ class Config:
             "pipeline_parallel_degree",
             "microbatches",
             "tensor_parallel_degree",
+            "virtual_stages",
         ):
             _positive_int(name, getattr(self, name))
         if self.data_parallel_degree is not None:
@@ -159,10 +170,10 @@ class Config:
         if not isinstance(self.pin, dict):
             raise ConfigError(f"pin must be a dict of module name -> stage, got {type(self.pin).__name__}")
         for module, stage in self.pin.items():
-            if not isinstance(stage, int) or not 0 <= stage < self.pipeline_parallel_degree:
+            if not isinstance(stage, int) or not 0 <= stage < self.partition_stages:
                 raise ConfigError(
                     f"pin {module!r} -> {stage!r}: stage must be an int in "
-                    f"0..{self.pipeline_parallel_degree - 1}"
+                    f"0..{self.partition_stages - 1}"
                 )
         if self.param_memory_factor <= 0:
             raise ConfigError(f"param_memory_factor must be > 0, got {self.param_memory_factor}")

@@ -212,6 +212,8 @@ class ProcessRuntime:
         #: Whether `shutdown` answers the peers' state requests until they leave too (`_await_peers_leaving`).
         self.answer_at_shutdown = True
         self._reducer: GradientReducer | None = None
+        #: Whether this step's gradients were averaged already (a program step's `finish_gradients`).
+        self._reduced = False
         self._reducer_lock = threading.Lock()
         if layout.dp > 1:
             self.server.on_gradients_final = self._start_gradient_sync
@@ -391,10 +393,38 @@ class ProcessRuntime:
                                                 self.layout.dp, replica=self.dp_rank)
             return self._reducer
 
+    def finish_gradients(self, failed: bool) -> int | None:
+        """A program step's end under data parallelism: average the gradients (`GradientReducer`),
+        returning the replica whose step failed, if any; the step's `_end_step` averages no more."""
+        self._reduced = True
+        return self._current_reducer().finish(failed=failed)
+
+    def most_on_replicas(self, code: int) -> int:
+        """The largest ``code`` of the data-parallel replicas (one small all-reduce)."""
+        value = torch.tensor([code], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.setup.dp_control_group)
+        return int(value.item())
+
+    def begin_again(self) -> None:
+        """A program step given up runs again on the reference runtime: its gradients anew."""
+        self._reduced = False
+        self._begin_gradient_sync()
+
+    def replica_failed(self, failing: int) -> PipelineError:
+        return PipelineError(
+            f"the step failed on data-parallel replica {failing} (its ranks raised the error), so it "
+            "fails on every replica: no gradient was averaged. Zero the gradients "
+            "(optimizer.zero_grad()) and go on with the next step", rank=self.rank)
+
     def _end_step(self, error: BaseException | None) -> None:
         """Average the gradients over the data-parallel replicas, then raise the step's error if it
         failed. A step fails on every replica when it fails on one (`data_parallel`): the others
         raise here, naming it. A ``KeyboardInterrupt`` and the like skip the collectives."""
+        reduced, self._reduced = self._reduced, False
+        if reduced:  # a program step averaged them already (`finish_gradients`)
+            if error is not None:
+                raise error
+            return
         if self.layout.dp > 1 and (error is None or isinstance(error, Exception)):
             try:
                 failing = self._current_reducer().finish(failed=error is not None)
@@ -403,10 +433,7 @@ class ProcessRuntime:
                     raise
                 failing = None  # the step's own error says more
             if error is None and failing is not None:
-                error = PipelineError(
-                    f"the step failed on data-parallel replica {failing} (its ranks raised the error), so it "
-                    "fails on every replica: no gradient was averaged. Zero the gradients "
-                    "(optimizer.zero_grad()) and go on with the next step", rank=self.rank)
+                error = self.replica_failed(failing)
         if error is not None:
             raise error
 

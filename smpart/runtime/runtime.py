@@ -115,7 +115,8 @@ def partition_for(model: DistributedModel, args: tuple, kwargs: dict, config: Co
     """The model's partition: the one it has if it fits this configuration's stage count, else a
     new one from tracing this call (with ``config.pin`` and the `set_partition` pins)."""
     partition = model._partition
-    if partition is None or partition.num_stages != config.pipeline_parallel_degree:
+    if partition is None or partition.num_stages != config.partition_stages or (
+            partition.meta.get("ranks", config.pipeline_parallel_degree) != config.pipeline_parallel_degree):
         pins = pins_for(model.module, config.pin, dict(_module_pins.items()))
         partition = make_partition(model.module, args, kwargs, config, pins)
     return partition
@@ -186,9 +187,10 @@ def set_partition(module: nn.Module, stage: int) -> None:
         raise SmpartError(f"set_partition needs an nn.Module, got {type(module).__name__}")
     if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
         raise SmpartError(f"set_partition: stage must be an int >= 0, got {stage!r}")
-    if _runtime is not None and stage >= _runtime.num_stages:
+    if _runtime is not None and stage >= _runtime.config.partition_stages:
+        stages = _runtime.config.partition_stages
         raise SmpartError(f"set_partition: stage {stage} does not exist, smpart runs "
-                          f"{_runtime.num_stages} pipeline stage(s) (0..{_runtime.num_stages - 1})")
+                          f"{stages} pipeline stage(s) (0..{stages - 1})")
     _module_pins[module] = stage
 
 

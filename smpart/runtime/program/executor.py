@@ -120,27 +120,25 @@ def _describe_key(key: tuple) -> str:
 class Suspension:
     """Thread-local torch state a greenlet takes with it when it stops mid-body."""
 
-    __slots__ = ("ambient", "frame", "mode")
+    __slots__ = ("ambient", "frame", "modes")
 
-    def __init__(self, mode: GlueMode) -> None:
-        self.mode = mode
+    def __init__(self) -> None:
         self.ambient = ambient_state.capture()
         self.frame = current_frame()
+        self.modes: list = []
 
     def leave(self, base: ambient_state.Ambient) -> None:
         """Take the body's state off the thread (the loop's goes back on)."""
-        if torch._C._len_torch_function_stack() and torch._C._pop_torch_function_stack() is not self.mode:
-            raise Diverged(
-                "a torch function mode the step body entered is still open where the program "
-                "suspends the micro-batch"
-            )
+        stack = torch._C._len_torch_function_stack()
+        self.modes = [torch._C._pop_torch_function_stack() for _ in range(stack)]
         _set_ambient(base)
         _set_frame(None)
 
     def resume(self) -> None:
         _set_ambient(self.ambient)
         _set_frame(self.frame)
-        torch._C._push_on_torch_function_stack(self.mode)
+        for mode in reversed(self.modes):
+            torch._C._push_on_torch_function_stack(mode)
 
 
 def _set_ambient(state: ambient_state.Ambient) -> None:
@@ -206,6 +204,7 @@ class RankRun:
         self.whole = context.whole
         self.templates = context.templates
         self.varies = context.varies
+        self.meta_cache = context.meta_cache
         self.process_rank = context.process_rank
         self.step = step
         self.program = program
@@ -302,7 +301,7 @@ class RankRun:
         """The body is about to wait for transfer ``k``: where the program cut the forward there,
         the micro-batch stops here and the loop goes on with its next action."""
         if k in self.suspend_at and run.microbatch in self.bodies:
-            suspension = Suspension(self.mode)
+            suspension = Suspension()
             suspension.leave(self.base)
             body = self.bodies[run.microbatch]
             body.suspension = suspension
@@ -330,7 +329,6 @@ class RankRun:
             else str(self.program.loss_action(self.me, run.microbatch))
         )
         self.report.started.append(name)
-        mode = torch._C._pop_torch_function_stack()
         try:
             with running(run.inline):
                 torch.autograd.backward(loss, grad, retain_graph=bool(run.roots))
@@ -342,8 +340,6 @@ class RankRun:
                 microbatch=run.microbatch,
                 rank=self.process_rank,
             ) from err
-        finally:
-            torch._C._push_on_torch_function_stack(mode)
         below = max((root.pos for root in run.roots), default=-1)
         sent = send_final_leaves(run, below, self.wire)
         run.structure.append(("loss_sent", tuple(sent)))

@@ -46,9 +46,10 @@ from torch.overrides import TorchFunctionMode
 
 from smpart.errors import SmpartError
 from smpart.runtime import boundary
+from smpart.runtime.ambient import capture
 from smpart.runtime.calls import Frame, as_pipeline_error, running
 from smpart.runtime.program.placeholder import METADATA, LazyNode, Placeholder, holders, lowest, meta_of
-from smpart.runtime.program.templates import UNPREDICTABLE, signature
+from smpart.runtime.program.templates import UNPREDICTABLE, OutputTemplate, signature
 
 _AT = "_smpart_at"  # a tensor this rank made inside a micro-batch: (avail, pos, run)
 _T = torch.Tensor
@@ -278,23 +279,15 @@ class MicrobatchRun:
     def _lazy(self, func: Any, args: tuple, kwargs: dict, mask: int) -> Any:
         """A placeholder for ``func``'s result: computed for real by the ranks in ``mask``, else
         evaluated where it is needed; its shape from a run on the meta device."""
-        meta = self._meta(func, args, kwargs)
+        cache = self.rank.meta_cache
+        key = _meta_key(func, args, kwargs)
+        template = cache.get(key) if key is not None else None
+        if template is None:  # a meta-device run is slow (torch's Python decompositions): once per kind
+            template = OutputTemplate.of(self._meta(func, args, kwargs))
+            if key is not None:
+                cache[key] = template
         node = LazyNode(func, args, kwargs)
-        index = 0
-        device = self.rank.device
-
-        def wrap(m: Any) -> Any:
-            nonlocal index
-            if not isinstance(m, torch.Tensor):
-                return m
-            p = Placeholder(
-                m.shape, m.dtype, device, m.requires_grad, mask, self.count, self, m.stride(), node, index
-            )
-            index += 1
-            node.outputs.append(p)
-            return p
-
-        return pytree.tree_map(wrap, meta)
+        return template.placeholders(mask, self.count, self, self.rank.device, node)
 
     def _meta(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if func in _MOVES:  # a placeholder moved to a device: only its dtype may change
@@ -452,51 +445,57 @@ class MicrobatchRun:
     def glue_call(self, staged: Any, args: tuple, kwargs: dict) -> Any:
         """A module called from the glue: a split one runs its forward here as glue; a whole one
         runs on its rank, and returns placeholders on the others."""
-        rank = self.rank
-        owner = rank.whole.get((staged.model, staged.name))
+        owner = self.rank.whole.get((staged.model, staged.name))
         if owner is None:
             return staged.run_here(self.frame, args, kwargs)
+        with _no_glue_mode():  # what follows is smpart's own work, or the module's on this rank
+            if owner != self.me:
+                return self._called_elsewhere(staged, owner, args, kwargs)
+            return self._called_here(staged, args, kwargs)
+
+    def _called_elsewhere(self, staged: Any, owner: int, args: tuple, kwargs: dict) -> Any:
+        rank = self.rank
         self.event(("call", staged.name, owner))
+        for t in _tensors((args, kwargs)):
+            self.make_available(owner, t)
+        self.flush_sends()
+        key = (staged.model, staged.name, signature((args, kwargs)))
+        template = rank.templates.get(key)
+        if template == UNPREDICTABLE:
+            raise Diverged(
+                f"module {staged.name!r} returned outputs of other shapes in other micro-batches "
+                "(shapes that depend on the data): the ranks that do not hold it cannot stand in for them"
+            )
+        if template is None and (staged.model, staged.name) in rank.varies:
+            raise Diverged(
+                f"module {staged.name!r} is called with shapes that depend on the data (they "
+                "differed between micro-batches: routing across stages by the data)"
+            )
+        if template is None:
+            raise Diverged(
+                f"no recorded output for module {staged.name!r} called with "
+                f"{_brief_signature(key[2])} (a new shape): recording it",
+                rerecord=True,
+            )
+        return template.placeholders(1 << owner, self.count, self, rank.device)
+
+    def _called_here(self, staged: Any, args: tuple, kwargs: dict) -> Any:
+        rank = self.rank
+        self.event(("call", staged.name, self.me))
         leaves = _tensors((args, kwargs))
-        if owner != self.me:
-            for t in leaves:
-                self.make_available(owner, t)
-            self.flush_sends()
-            key = (staged.model, staged.name, signature((args, kwargs)))
-            template = rank.templates.get(key)
-            if template == UNPREDICTABLE:
-                raise Diverged(
-                    f"module {staged.name!r} returned outputs of other shapes in other micro-batches "
-                    "(shapes that depend on the data): the ranks that do not hold it cannot stand in "
-                    "for them"
-                )
-            if template is None and (staged.model, staged.name) in rank.varies:
-                raise Diverged(
-                    f"module {staged.name!r} is called with shapes that depend on the data (they "
-                    "differed between micro-batches: routing across stages by the data)"
-                )
-            if template is None:
-                raise Diverged(
-                    f"no recorded output for module {staged.name!r} called with "
-                    f"{_brief_signature(key[2])} (a new shape): recording it",
-                    rerecord=True,
-                )
-            return template.placeholders(1 << owner, self.count, self, rank.device)
         if leaves:
             for t in leaves:
                 self.make_available(self.me, t)
             args, kwargs = _swap_placeholders((args, kwargs), self.real)
         self.structure.append(("compute",))
-        mode = torch._C._pop_torch_function_stack()
         try:
             with running(self.inline):
                 out = staged.run_here(self.inline, args, kwargs)
+        except Diverged:
+            raise
         except Exception as err:
-            raise as_pipeline_error(
-                err, self.stage, staged.name, self.microbatch, rank=rank.process_rank
-            ) from err
-        finally:
-            torch._C._push_on_torch_function_stack(mode)
+            raise as_pipeline_error(err, self.stage, staged.name, self.microbatch,
+                                    rank=rank.process_rank) from err
         if rank.checks_outputs:
             rank.check_output(staged, args, kwargs, out)
         self.mark(out, 1 << self.me)
@@ -508,6 +507,10 @@ class MicrobatchRun:
     # ================================================================ model.backward
     def backward(self, loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:
         """``model.backward(loss)``: the rank holding the loss runs its backward now."""
+        with _no_glue_mode():
+            self._backward(loss, grad)
+
+    def _backward(self, loss: torch.Tensor, grad: torch.Tensor | None) -> None:
         if self.loss_done:
             raise SmpartError(
                 "model.backward() was called twice for the same micro-batch; call it once per "
@@ -543,6 +546,10 @@ class MicrobatchRun:
     # ================================================================ the body's result
     def finish(self, result: Any) -> None:
         """The body returned ``result``: each of its tensors is kept by one rank holding it."""
+        with _no_glue_mode():
+            self._finish(result)
+
+    def _finish(self, result: Any) -> None:
         leaves, spec = pytree.tree_flatten(result)
         constants: list[Any] = []
         tensors: set[int] = set()
@@ -601,29 +608,48 @@ def send_final_leaves(run: MicrobatchRun, below: int, wire: Any) -> list[tuple]:
 
 
 # ==================================================================== helpers
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in ``value`` (tuples, lists and dicts walked directly, other containers by pytree)."""
-    found: list[torch.Tensor] = []
+class _no_glue_mode:  # noqa: N801 - used like a function: ``with _no_glue_mode():``
+    """Take the glue's torch-function mode off this thread inside the block (smpart's own code and
+    the modules this rank runs do not go through it)."""
 
-    def walk(v: Any) -> None:
+    __slots__ = ("modes",)
+
+    def __enter__(self) -> None:
+        depth = torch._C._len_torch_function_stack()
+        self.modes = [torch._C._pop_torch_function_stack() for _ in range(depth)]
+
+    def __exit__(self, *exc: object) -> None:
+        for mode in reversed(self.modes):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+_LEAVES = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size,
+                     slice, type(Ellipsis), torch.memory_format, torch.layout})
+_TENSOR_KINDS = frozenset({torch.Tensor, torch.nn.Parameter, Placeholder})
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value`` (tuples, lists and dicts walked directly, other containers by pytree),
+    in a fixed order. A loop, not a recursion: every glue operation pays for it."""
+    found: list[torch.Tensor] = []
+    todo = [value]
+    while todo:
+        v = todo.pop()
         kind = type(v)
-        if kind is tuple or kind is list:
-            for x in v:
-                walk(x)
+        if kind in _TENSOR_KINDS:
+            found.append(v)
+        elif kind is tuple or kind is list:
+            todo.extend(reversed(v))
         elif kind is dict:
-            for x in v.values():
-                walk(x)
+            todo.extend(reversed(v.values()))
+        elif kind in _LEAVES:
+            continue
         elif isinstance(v, torch.Tensor):
             found.append(v)
-        elif v is None or boundary.is_plain(kind) or kind is slice or kind is torch.Size:
-            return
-        else:
+        elif not boundary.is_plain(kind):
             leaves = pytree.tree_leaves(v)
             if len(leaves) != 1 or leaves[0] is not v:
-                for x in leaves:
-                    walk(x)
-
-    walk(value)
+                todo.extend(reversed(leaves))
     return found
 
 
@@ -695,6 +721,36 @@ def _data_dependent(func: Any, args: tuple) -> bool:
     if func is _T.__getitem__ and len(args) > 1:
         return any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(args[1]))
     return False
+
+
+def _meta_key(func: Any, args: tuple, kwargs: dict) -> Any:
+    """What decides an operation's output shapes: the function, its arguments' shapes, strides,
+    dtypes and plain values, grad mode and autocast (None: not worth a key)."""
+    try:
+        key = (func, _shape_key(args), _shape_key(kwargs), capture())
+        hash(key)
+    except (TypeError, _NoKey):
+        return None
+    return key
+
+
+class _NoKey(Exception):
+    pass
+
+
+def _shape_key(value: Any) -> Any:
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return (kind is list, *[_shape_key(v) for v in value])
+    if kind is dict:
+        return tuple((k, _shape_key(v)) for k, v in value.items())
+    if kind is Placeholder:
+        return (value._sig, value._stride)
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.stride(), value.dtype, value.requires_grad)
+    if value is None or boundary.is_plain(kind) or kind is slice:
+        return value if kind is not slice else (value.start, value.stop, value.step)
+    raise _NoKey
 
 
 def _in_place(func: Any) -> bool:

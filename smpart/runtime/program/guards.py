@@ -22,7 +22,6 @@ keys diverged four times: its steps run on the reference runtime, and the timeli
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,12 +59,19 @@ class ModelPrograms:
     """A placed model's programs under one ``init``: templates, keys, programs, divergences."""
 
     def __init__(self, model: Any, partition: Any, stage_of_rank: Any = None) -> None:
-        from smpart.runtime.placement import module_stages
+        from smpart.runtime.placement import module_stages, ranks_of
 
         self.model_id = model.model_id
         stages = module_stages(model.module, partition)
-        self.size = partition.num_stages
+        self.size = ranks_of(partition)
         self.whole = whole_modules(model.model_id, stages)
+        #: The model's modules, whose train/eval flags are part of every step's key; its parameters
+        #: and buffers, for `Snapshot`.
+        self.modules = list(model.module.modules())
+        self.parameters = list(model.module.parameters())
+        self.buffers = list(model.module.named_buffers())
+        #: The shapes of glue operations on placeholders, by what decides them (`glue._meta_key`).
+        self.meta_cache: dict = {}
         self.owners = tensor_owners(model.module, stages)
         self.templates: dict[tuple, Any] = {}
         #: Modules whose calls' shapes differed between the micro-batches of a step (routing by data).
@@ -118,9 +124,10 @@ class ModelPrograms:
         for call, template in templates.items():
             if call[0] == "demoted":  # a module placed whole that calls another stage: glue
                 self.whole.pop(call[1:], None)
-                continue
-            if call[0] == "varies":
+            elif call[0] == "varies":
                 self.varies.add(call[1:])
+            if call[0] in ("demoted", "varies"):
+                self.templates[call] = template  # kept, for the other ranks (`BeginProgram`)
                 continue
             known = self.templates.get(call)
             if known is None or template == UNPREDICTABLE:
@@ -187,7 +194,9 @@ def step_key(fn: Any, pieces: list[tuple[tuple, dict]], config: Any, ambient: An
             )
         )
 
-    modes = hashlib.sha1(bytes(m.training for m in model.module.modules())).hexdigest()
+    programs = getattr(model, "_programs", None)
+    modules = programs.modules if programs is not None else list(model.module.modules())
+    modes = bytes(m.training for m in modules)
     return (
         getattr(fn, "__qualname__", repr(fn)),
         id(fn),
@@ -205,13 +214,14 @@ class Snapshot:
     gradients, the buffers the model changes in its forward (BatchNorm's statistics), the random
     state. Taken before every program step, put back when one gives up."""
 
-    def __init__(self, model: nn.Module, mutable: set[str] | None) -> None:
+    def __init__(self, programs: ModelPrograms) -> None:
         self.grads = []
-        for param in model.parameters():
+        for param in programs.parameters:
             grad = param.grad
             self.grads.append((param, None if grad is None else grad.detach().clone()))
         self.buffers = {}
-        for name, buffer in model.named_buffers():
+        mutable = programs.mutable_buffers
+        for name, buffer in programs.buffers:
             if buffer.device.type == "meta" or (mutable is not None and name not in mutable):
                 continue
             self.buffers[name] = (buffer, buffer._version, buffer.detach().clone())

@@ -79,6 +79,9 @@ class Placeholder(torch.Tensor):
     _index: int
     _value: torch.Tensor | None
     _run: Any
+    #: ``("T", shape, dtype, requires_grad)``: what `templates.signature` reads, without asking torch.
+    _sig: tuple
+    _stride: tuple
 
     @staticmethod
     def __new__(
@@ -104,6 +107,8 @@ class Placeholder(torch.Tensor):
         self._index = index
         self._value = None
         self._run = run
+        self._sig = ("T", tuple(shape), dtype, requires_grad)
+        self._stride = tuple(stride) if stride is not None else None
         return self
 
     @classmethod

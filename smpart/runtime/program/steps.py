@@ -46,6 +46,13 @@ class RankContext:
     templates: dict[tuple, Any]
     process_rank: int | None = None
     varies: set = frozenset()  # type: ignore[assignment]
+    meta_cache: dict = None  # type: ignore[assignment]
+
+    @classmethod
+    def of(cls, programs: ModelPrograms, me: int, stage: int, device: torch.device,
+           process_rank: int | None = None) -> RankContext:
+        return cls(me, programs.size, stage, device, programs.owners, programs.whole, programs.templates,
+                   process_rank, programs.varies, programs.meta_cache)
 
 
 def programs_of(model: Any) -> ModelPrograms | None:
@@ -84,7 +91,7 @@ def run_step(
         if decision.record:
             programs.learn_templates(key, recorded)
         return results, timeline
-    snapshot = Snapshot(model.module, programs.mutable_buffers)
+    snapshot = Snapshot(programs)
     try:
         results, timeline, reports = ThreadProgramStep(
             runtime, model, programs, decision, fn, pieces, ambient
@@ -103,6 +110,20 @@ def run_step(
         programs.mutable_buffers = snapshot.changed_buffers()
         _build(programs, key, reports, runtime.config, data_parallel=False)
     return results, timeline
+
+
+#: What a program step that gave up means for its kind of step: run it on the reference runtime
+#: and record again (a program may follow), or never try a program for it again.
+RERECORD, NEVER = 1, 2
+
+
+def divergence_code(error: BaseException | None, decision: Decision) -> int:
+    """0: no divergence; `RERECORD` or `NEVER` (see `_record_again`)."""
+    if not (isinstance(error, Diverged) or (isinstance(error, Aborted) and error.diverged)):
+        return 0
+    if decision.discover and not getattr(error, "rerecord", False):
+        return NEVER
+    return RERECORD
 
 
 def _record_again(programs: ModelPrograms, key: Any, decision: Decision, err: BaseException) -> bool:
@@ -194,17 +215,7 @@ class ThreadProgramStep:
         scale = 1.0 / len(self.pieces) if config.average_grads_across_microbatches else 1.0
         runs = []
         for stage in range(self.size):
-            context = RankContext(
-                stage,
-                self.size,
-                stage,
-                self.runtime.devices[stage],
-                self.programs.owners,
-                self.programs.whole,
-                self.programs.templates,
-                None,
-                self.programs.varies,
-            )
+            context = RankContext.of(self.programs, stage, stage, self.runtime.devices[stage])
             runs.append(
                 RankRun(
                     context,
@@ -360,20 +371,25 @@ def drive(
         if decision.record:
             programs.learn_templates(key, _with_reports(recorded, timeline))
         return results, timeline
-    snapshot = Snapshot(model.module, programs.mutable_buffers)
+    snapshot = Snapshot(programs)
     attempt = ProcessProgramStep(runtime, model, programs, decision, fn, step, ambient)
+    error: BaseException | None = None
     try:
         results, timeline, reports = attempt.lead(pieces, inputs, models_at)
-    except (Diverged, Aborted) as err:
-        if isinstance(err, Aborted) and not err.diverged:
-            raise
+    except BaseException as err:  # noqa: BLE001 - settled with the other replicas first
+        error = err
+    code = attempt.settle(error)
+    if code:  # this replica's program, or another's, diverged: run the step again
         snapshot.restore()
-        why = str(err)
-        again = _record_again(programs, key, decision, err)
+        why = str(error) if error is not None else "another data-parallel replica's program diverged"
+        # every replica keeps the same account of its programs
+        again = _record_again(programs, key, decision, Diverged(why, rerecord=code == RERECORD))
         results, timeline, recorded = _reference(reference, f"the program diverged: {why}")
         if again:
             programs.learn_templates(key, _with_reports(recorded, timeline))
         return results, timeline
+    if error is not None:
+        raise error
     if decision.discover:
         programs.mutable_buffers = snapshot.changed_buffers()
         _build(programs, key, reports, config, data_parallel=runtime.layout.dp > 1)
@@ -545,11 +561,9 @@ class ProcessProgramStep:
                 kwargs[name] = self.model
             return tuple(args), kwargs
 
-        snapshot = Snapshot(self.model.module, self.programs.mutable_buffers)
+        snapshot = Snapshot(self.programs)
         report, error, wire = self._run(stand_ins, begin.grad_scale, len(begin.inputs))
-        if isinstance(error, Diverged | Aborted) and getattr(error, "diverged", True):
-            snapshot.restore()
-        elif self.decision.discover and error is None:
+        if self.decision.discover and error is None:
             self.programs.mutable_buffers = snapshot.changed_buffers()
         if error is not None:
             report.error = _shippable(error, runtime.rank)
@@ -560,12 +574,31 @@ class ProcessProgramStep:
                 self.step, runtime.rank, self.me, report, dict(wire.sent_bytes), dict(wire.messages)
             ),
         )
-        if isinstance(error, Aborted | Diverged):
-            return
-        if error is not None:
-            raise error
+        if self.settle(error):  # the step runs again on the reference runtime, the driver's rank leading
+            snapshot.restore()
 
     # ================================================================ both
+    def settle(self, error: BaseException | None) -> int:
+        """After this rank's part (and, on the first stage's rank, the reports): whether the step
+        must run again on the reference runtime, every replica alike. Under data parallelism the
+        replicas' gradient averages end here (`GradientReducer.finish`): a replica whose program
+        failed makes every replica keep its own gradients, and one more small all-reduce says
+        whether a program diverged somewhere (then every replica runs the step again) or failed."""
+        runtime = self.runtime
+        code = divergence_code(error, self.decision)
+        if runtime.layout.dp == 1:
+            return code
+        failing = runtime.finish_gradients(failed=error is not None)
+        if failing is None:
+            return 0
+        code = runtime.most_on_replicas(code)
+        if code:
+            runtime.begin_again()
+            return code
+        if error is None:
+            raise runtime.replica_failed(failing)
+        return 0
+
     def _run(
         self, inputs: Callable, scale: float, microbatches: int
     ) -> tuple[RankReport, BaseException | None, Any]:
@@ -573,17 +606,7 @@ class ProcessProgramStep:
         from smpart.runtime.program.messages import PROGRAM
 
         runtime = self.runtime
-        context = RankContext(
-            self.me,
-            self.size,
-            runtime.stage,
-            runtime.setup.device,
-            self.programs.owners,
-            self.programs.whole,
-            self.programs.templates,
-            runtime.rank,
-            self.programs.varies,
-        )
+        context = RankContext.of(self.programs, self.me, runtime.stage, runtime.setup.device, runtime.rank)
         address = (runtime.rank, PROGRAM)
         wire = ProcessWire(
             runtime.transport,

@@ -56,13 +56,14 @@ class OutputTemplate:
         self.spec = spec
         self.leaves = leaves
         self.opaque = next((leaf.kind for leaf in leaves if isinstance(leaf, Opaque)), None)
+        self.single = len(leaves) == 1 and spec.is_leaf()
 
     @classmethod
     def of(cls, output: Any) -> OutputTemplate:
         leaves, spec = pytree.tree_flatten(output)
         return cls(spec, [_leaf_template(leaf) for leaf in leaves])
 
-    def placeholders(self, avail: int, pos: int, run: Any, device: torch.device) -> Any:
+    def placeholders(self, avail: int, pos: int, run: Any, device: torch.device, node: Any = None) -> Any:
         from smpart.runtime.program.glue import Diverged
         from smpart.runtime.program.placeholder import Placeholder
 
@@ -71,15 +72,24 @@ class OutputTemplate:
                 f"a module's output holds a {self.opaque}, which a step program cannot stand in "
                 "for on the ranks that do not hold the module"
             )
-        leaves = [
-            Placeholder(m.shape, m.dtype, device, m.requires_grad, avail, pos, run, m.stride)
-            if type(m) is TensorMeta
-            else m
-            for m in self.leaves
-        ]
+        leaves = []
+        for m in self.leaves:
+            if type(m) is TensorMeta:
+                index = len(node.outputs) if node is not None else 0
+                m = Placeholder(m.shape, m.dtype, device, m.requires_grad, avail, pos, run, m.stride, node,
+                                index)
+                if node is not None:
+                    node.outputs.append(m)
+            leaves.append(m)
+        if self.single:  # one tensor, the most common output: no pytree to rebuild
+            return leaves[0]
         return pytree.tree_unflatten(leaves, self.spec)
 
     def matches(self, output: Any) -> bool:
+        if self.single and isinstance(output, torch.Tensor):
+            m = self.leaves[0]
+            return (type(m) is TensorMeta and tuple(output.shape) == m.shape and output.dtype == m.dtype
+                    and output.requires_grad == m.requires_grad)
         leaves, spec = pytree.tree_flatten(output)
         return spec == self.spec and [_leaf_template(leaf) for leaf in leaves] == self.leaves
 
@@ -113,6 +123,9 @@ def signature(value: Any) -> tuple:
         return (kind.__name__, *[signature(v) for v in value])
     if kind is dict:
         return ("dict", *[(k, signature(v)) for k, v in value.items()])
+    sig = getattr(value, "_sig", None) if kind.__name__ == "Placeholder" else None
+    if sig is not None:
+        return sig
     if isinstance(value, torch.Tensor):
         return ("T", tuple(value.shape), value.dtype, value.requires_grad)
     if value is None or boundary.is_plain(kind):

@@ -127,23 +127,24 @@ class StagedForward:
 
     def run_here(self, frame: Frame | None, args: tuple, kwargs: dict) -> Any:
         recorder = templates.recording() if frame is not None else None
-        boundary = recorder is not None and recorder.enter(self.model, self.name)
+        if recorder is not None and recorder.enter(self.model, self.name):
+            try:
+                output = self._forward(frame, args, kwargs)
+            finally:
+                recorder.leave()
+            recorder.record(self.model, self.name, args, kwargs, output, frame.microbatch)  # type: ignore[union-attr]
+            return output
+        return self._forward(frame, args, kwargs)
+
+    def _forward(self, frame: Frame | None, args: tuple, kwargs: dict) -> Any:
         try:
             if self.instance_forward is not None:
-                output = self.instance_forward(*args, **kwargs)
-            else:
-                output = type(self.module).forward(self.module, *args, **kwargs)
+                return self.instance_forward(*args, **kwargs)
+            return type(self.module).forward(self.module, *args, **kwargs)
         except Exception as err:
             if frame is not None:
                 mark_origin(err, frame.stage, self.name, frame.microbatch)
             raise
-        finally:
-            if recorder is not None:
-                recorder.leave(self.model, self.name)
-        if boundary:
-            recorder.record(self.model, self.name, args, kwargs, output,  # type: ignore[union-attr]
-                            frame.microbatch)  # type: ignore[union-attr]
-        return output
 
     @property
     def __wrapped__(self) -> Any:

@@ -295,7 +295,7 @@ class ProcessRuntime:
         timeout_s = self.config.timeout_s
         started = time.monotonic()
         main = (self.rank, MAIN)
-        recorder = templates.Recorder()
+        recorder = templates.Recorder() if self.config.step_programs else None
         templates.start_recording(recorder)  # a reference step records what its calls return
         try:
             return self._serve_step(step, fn, model, main, started, timeout_s, recorder)
@@ -303,7 +303,7 @@ class ProcessRuntime:
             templates.start_recording(None)
 
     def _serve_step(self, step: int, fn: Callable, model: Any, main: Address, started: float,
-                    timeout_s: float, recorder: templates.Recorder) -> tuple[list[Any], Any]:
+                    timeout_s: float, recorder: templates.Recorder | None) -> tuple[list[Any], Any]:
         # A step may take longer than timeout_s (a limit on each wait); give up only when neither the
         # driver's rank answered nor this stage heard anything for that long.
         while time.monotonic() - max(started, self.server.last_activity) < timeout_s:

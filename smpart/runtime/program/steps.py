@@ -78,8 +78,10 @@ def run_step(
     """One step on threads: the program if it may, else ``reference()`` (the reference runtime)."""
     programs = programs_of(model) if model._runtime is runtime else None
     ambient = capture()
+    config = runtime.config
     if programs is None:
-        results, timeline, recorded = _reference(reference, "the first step places the model (recording)")
+        results, timeline, recorded = _reference(reference, "the first step places the model (recording)",
+                                                 record=config.step_programs)
         programs = programs_of(model) if model._runtime is runtime else None
         if programs is not None:
             programs.learn_templates(step_key(fn, pieces, runtime.config, ambient, model), recorded)
@@ -87,7 +89,8 @@ def run_step(
     key = step_key(fn, pieces, runtime.config, ambient, model)
     decision = programs.decide(key, runtime.config.step_programs)
     if decision.reference:
-        results, timeline, recorded = _reference(reference, programs.reason_for(key) or decision.reason)
+        results, timeline, recorded = _reference(reference, programs.reason_for(key) or decision.reason,
+                                                 record=decision.record)
         if decision.record:
             programs.learn_templates(key, recorded)
         return results, timeline
@@ -137,9 +140,13 @@ def _record_again(programs: ModelPrograms, key: Any, decision: Decision, err: Ba
 
 
 def _reference(
-    reference: Callable[[], tuple[list[Any], Timeline]], reason: str
+    reference: Callable[[], tuple[list[Any], Timeline]], reason: str, record: bool = True
 ) -> tuple[list[Any], Timeline, dict[tuple, Any]]:
-    """The step on the reference runtime, recording the templates of its calls."""
+    """The step on the reference runtime, recording the templates of its calls (``record``)."""
+    if not record:
+        results, timeline = reference()
+        timeline.runtime, timeline.reason = "reference", reason
+        return results, timeline, {}
     recorder = templates.Recorder()
     templates.start_recording(recorder)
     try:
@@ -351,7 +358,8 @@ def drive(
     ambient = capture()
     config = runtime.config
     if programs is None:
-        results, timeline, recorded = _reference(reference, "the first step places the model (recording)")
+        results, timeline, recorded = _reference(reference, "the first step places the model (recording)",
+                                                 record=config.step_programs)
         programs = programs_of(model) if model._runtime is runtime else None
         if programs is not None:
             programs.learn_templates(
@@ -367,7 +375,8 @@ def drive(
             programs.cannot(key, why)
             decision = programs.decide(key, config.step_programs)
     if decision.reference:
-        results, timeline, recorded = _reference(reference, programs.reason_for(key) or decision.reason)
+        results, timeline, recorded = _reference(reference, programs.reason_for(key) or decision.reason,
+                                                 record=decision.record)
         if decision.record:
             programs.learn_templates(key, _with_reports(recorded, timeline))
         return results, timeline

@@ -162,36 +162,28 @@ class Recorder:
         self.templates: dict[tuple, Any] = {}
         #: (model, module) -> micro-batch -> the signatures of its calls, in order.
         self.calls: dict[tuple[int, str], dict[int, list]] = {}
-        self._stack = threading.local()
+        self._inside = threading.local()  # the boundary call running on this thread: its key
         self._lock = threading.Lock()
 
-    def _frames(self) -> list:
-        frames = getattr(self._stack, "frames", None)
-        if frames is None:
-            frames = self._stack.frames = []
-        return frames
-
     def enter(self, model: int, name: str) -> bool:
-        """A module starts running; True if it is a boundary call to record."""
-        frames = self._frames()
-        whole = (model, name) in WHOLE
-        boundary = whole and not any(counted for _, counted in frames)
-        frames.append(((model, name), whole))
-        return boundary
+        """A module starts running on this thread; True if it is a boundary call to record (a whole
+        module, not inside another): then `leave` must follow."""
+        if getattr(self._inside, "key", None) is not None or (model, name) not in WHOLE:
+            return False
+        self._inside.key = (model, name)
+        return True
 
-    def leave(self, model: int, name: str) -> None:
-        frames = self._frames()
-        if frames:
-            frames.pop()
+    def leave(self) -> None:
+        self._inside.key = None
 
     def crossing(self) -> None:
-        """The module running on this thread calls another stage: the whole modules it runs inside
-        are not whole."""
-        for key, counted in self._frames():
-            if counted:
-                WHOLE.pop(key, None)
-                with self._lock:
-                    self.templates[("demoted", *key)] = DEMOTED
+        """The module running on this thread calls another stage: the whole module it runs inside
+        is not whole."""
+        key = getattr(self._inside, "key", None)
+        if key is not None:
+            WHOLE.pop(key, None)
+            with self._lock:
+                self.templates[("demoted", *key)] = DEMOTED
 
     def record(
         self, model: int, name: str, args: tuple, kwargs: dict, output: Any, microbatch: int = 0

@@ -38,14 +38,14 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from smpart.tensor_parallel.layers import local_shard
 from smpart.tracing.call_inputs import Described, example_call, tensor_shapes
@@ -76,12 +76,9 @@ class HeadSplit:
     head_dim: int
     attributes: tuple[str, ...] = ()
     local_width: int | None = None
-
-    def describe(self) -> str:
-        what = ", ".join(self.attributes) or "no attribute"
-        if self.local_width is not None:
-            what += f"; its forward reads its width from its input, handed its share of {self.local_width}"
-        return f"heads found by smpart ({what} divided by the degree)"
+    #: Parameters kept whole but used on the local heads only (per-head q/k norms): each rank's
+    #: gradient is its heads' part, summed over the tensor-parallel group.
+    summed: tuple[str, ...] = ()
 
 
 # ==================================================================== localising
@@ -121,9 +118,37 @@ class _LocalWidthForward:
         return None
 
 
-def localize(module: nn.Module, split: HeadSplit, degree: int) -> dict[str, tuple[Any, Any]]:
+class _SummedGradients:
+    """The module's forward, with each of ``names`` (parameters used on the local heads only) read
+    through `copy_to_tp` for the length of the call: the same values, and a gradient summed over
+    the tensor-parallel group in the backward, as a column-parallel layer's input gets. Parameters
+    stay the objects optimizers hold; only the module's view of them changes during its call."""
+
+    def __init__(self, module: nn.Module, names: Iterable[str], group: Any) -> None:
+        self.original, self.module, self.group = module.forward, module, group
+        self.names = [name.rpartition(".") for name in names]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from smpart.tensor_parallel.collectives import copy_to_tp
+
+        held = []
+        for path, _, attr in self.names:
+            owner = self.module.get_submodule(path) if path else self.module
+            param = owner._parameters[attr]
+            held.append((owner, attr, param))
+            owner._parameters[attr] = copy_to_tp(param, self.group)
+        try:
+            return self.original(*args, **kwargs)
+        finally:
+            for owner, attr, param in held:
+                owner._parameters[attr] = param
+
+
+def localize(module: nn.Module, split: HeadSplit, degree: int,
+             group: Any = None) -> dict[str, tuple[Any, Any]]:
     """Make ``module`` (its projections already split) compute with ``1/degree`` of its heads;
-    returns ``{attribute: (old, new)}``."""
+    returns ``{attribute: (old, new)}``. ``group``: the tensor-parallel group the gradients of
+    `HeadSplit.summed` are summed over (None: they are not, as in the proof's emulation)."""
     changed = {}
     for attr in split.attributes:
         old = getattr(module, attr)
@@ -132,6 +157,9 @@ def localize(module: nn.Module, split: HeadSplit, degree: int) -> dict[str, tupl
     if split.local_width is not None:
         module.forward = _LocalWidthForward(module, (c for c, _ in split.columns), split.local_width, degree)
         changed["forward"] = (f"input width {split.local_width}", f"its share, {split.local_width // degree}")
+    if split.summed and group is not None:
+        module.forward = _SummedGradients(module, split.summed, group)
+        changed["gradients"] = ("", f"{', '.join(split.summed)} summed over the group")
     return changed
 
 
@@ -175,18 +203,21 @@ class _Lineage(TorchFunctionMode):
 @dataclass
 class _Run:
     """What one whole run of the module showed: projections in call order, how often each ran,
-    which projections each one's input came from, and the output."""
+    which projections each one's input came from, its output, and the gradients a random
+    cotangent on that output gives its parameters and its inputs."""
 
     order: list[str]
     calls: dict[str, int]
     fed_by: dict[str, frozenset[str]]
     reshapes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
-    output: Any
+    output: Any = None
+    grads: dict[str, Tensor] = field(default_factory=dict)
+    input_grads: list[Tensor | None] = field(default_factory=list)
 
 
 def _observed_run(module: nn.Module, linears: list[str], args: tuple, kwargs: dict) -> _Run:
     lineage = _Lineage()
-    run = _Run([], {}, {}, lineage.reshapes, None)
+    run = _Run([], {}, {}, lineage.reshapes)
     handles = []
     for name in linears:
         child = module.get_submodule(name)
@@ -201,13 +232,41 @@ def _observed_run(module: nn.Module, linears: list[str], args: tuple, kwargs: di
             lineage.mark(output, frozenset({name}))
 
         handles += [child.register_forward_pre_hook(before), child.register_forward_hook(after)]
+    args, kwargs = _fresh(args, kwargs)
     try:
         with lineage:
             run.output = module(*args, **kwargs)
     finally:
         for handle in handles:
             handle.remove()
+    _backward(run.output)
+    run.grads = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+    module.zero_grad(set_to_none=True)
+    run.input_grads = [t.grad for t in _tensors((args, kwargs))]
+    run.output = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, run.output)
     return run
+
+
+def _fresh(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The same arguments, their tensors new leaves (requiring grad as before)."""
+    def leaf(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return value.detach().clone().requires_grad_(value.requires_grad)
+        return value
+    return tree_map(leaf, (args, kwargs))
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, Tensor)]
+
+
+def _backward(output: Any, retain_graph: bool = False) -> None:
+    """Backward of the output against a fixed random cotangent (the same for every run)."""
+    generator = torch.Generator().manual_seed(2)
+    outputs = [t for t in _tensors(output) if t.requires_grad and t.is_floating_point()]
+    cotangents = [torch.randn(t.shape, dtype=t.dtype, generator=generator) for t in outputs]
+    if outputs:
+        torch.autograd.backward(outputs, cotangents, retain_graph=retain_graph)
 
 
 def _head_reshape(before: tuple[int, ...], after: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -266,7 +325,7 @@ def _find(module: nn.Module, linears: list[str], degree: int, example: Described
                 return layout
             if not _divides(layout, degree):
                 return layout
-            return _proven(whole, layout, degree, args, kwargs, run.output, dtype)
+            return _proven(whole, layout, degree, args, kwargs, run, dtype)
     if example is None and not first_error:
         return "it could not be run alone to find its heads"
     return (f"it could not be run alone on an example of its arguments to find its heads ({first_error})"
@@ -308,9 +367,9 @@ def _divides(layout: HeadSplit, degree: int) -> bool:
     return layout.q_heads % degree == 0 and layout.kv_heads % degree == 0
 
 
-def _proven(whole: nn.Module, layout: HeadSplit, degree: int, args: tuple, kwargs: dict, expected: Any,
+def _proven(whole: nn.Module, layout: HeadSplit, degree: int, args: tuple, kwargs: dict, run: _Run,
             dtype: torch.dtype) -> HeadSplit | str:
-    """The first localising variant whose emulated split equals the whole module's output."""
+    """The first localising variant whose emulated split computes what the whole module does."""
     attributes = _divided_attributes(whole, layout)
     width = whole.get_submodule(layout.columns[0][0]).in_features
     variants = [HeadSplit(**{**layout.__dict__, "attributes": attributes})]
@@ -318,9 +377,9 @@ def _proven(whole: nn.Module, layout: HeadSplit, degree: int, args: tuple, kwarg
         variants.append(HeadSplit(**{**layout.__dict__, "attributes": attributes, "local_width": width}))
     failures = []
     for variant in variants:
-        problem = _emulate(whole, variant, degree, args, kwargs, expected, _TOLERANCE[dtype])
+        problem, summed = _emulate(whole, variant, degree, args, kwargs, run, _TOLERANCE[dtype])
         if not problem:
-            return variant
+            return HeadSplit(**{**variant.__dict__, "summed": summed})
         failures.append(problem)
     return "split by heads, " + "; with its input's width localised too, ".join(dict.fromkeys(failures))
 
@@ -350,67 +409,154 @@ _WIDTH_WORDS = ("embd", "embed", "dim", "hidden", "width", "model", "inner", "sp
                 "all_head_size", "channels", "features")
 
 
-def _emulate(whole: nn.Module, split: HeadSplit, degree: int, args: tuple, kwargs: dict, expected: Any,
-             tolerance: float) -> str:
-    """Run each rank's localised copy with its shards, all-reducing the output projection's
-    partial sums by hand; "" when every rank returns what the whole module returned."""
-    row = whole.get_submodule(split.row)
+def _emulate(whole: nn.Module, split: HeadSplit, degree: int, args: tuple, kwargs: dict, run: _Run,
+             tolerance: float) -> tuple[str, tuple[str, ...]]:
+    """Run each rank's localised copy with its shards and do by hand what the layers' collectives
+    do: add the output projection's partial sums (forward), add the column projections' input
+    gradients (backward). Returns ("", parameters to sum) when every rank's output and gradients
+    are the whole module's, else (what differs, ())."""
     ranks = []
     try:
         for rank in range(degree):
-            local = copy.deepcopy(whole)
-            for name, fused in split.columns:
-                setattr(local, name, _column_shard(whole.get_submodule(name), rank, degree, fused))
-            shard = _RowShard(row, rank, degree)
-            setattr(local, split.row, shard)
+            columns = {name: _ColumnShard(whole.get_submodule(name), rank, degree, fused)
+                       for name, fused in split.columns}
+            row = _RowShard(whole.get_submodule(split.row), rank, degree)
+            # the copy takes the shards in place of the projections, which are never copied
+            shards = {**columns, split.row: row}
+            local = copy.deepcopy(whole, {id(whole.get_submodule(n)): shard for n, shard in shards.items()})
             localize(local, split, degree)
-            ranks.append((local, shard))
-        partials = []
-        for local, shard in ranks:  # first pass: what each rank feeds its output projection
-            local(*args, **kwargs)
-            partials.append(shard.partial)
-        total = torch.stack(partials).sum(0)
-        if row.bias is not None:
-            total = total + row.bias
-        outputs = []
-        for local, shard in ranks:  # second pass: every rank goes on from the reduced sum
-            shard.total = total
-            outputs.append(local(*args, **kwargs))
+            ranks.append(_Rank(local, columns, row))
+        with torch.no_grad():  # first pass: what each rank feeds its output projection
+            for r in ranks:
+                r.module(*_fresh(args, kwargs)[0], **_fresh(args, kwargs)[1])
+        total = torch.stack([r.row.partial for r in ranks]).sum(0)
+        bias = whole.get_submodule(split.row).bias
+        total = total if bias is None else total + bias.detach()
+        for r in ranks:  # second pass: every rank goes on from the reduced sum, and back
+            r.row.total = total
+            r.args, r.kwargs = _fresh(args, kwargs)
+            r.output = r.module(*r.args, **r.kwargs)
+            _backward(r.output, retain_graph=True)
+        for name in dict(split.columns):  # each column projection's input gradient, summed over ranks
+            grads = [r.columns[name].leaf.grad for r in ranks]
+            if all(g is not None for g in grads) and ranks[0].columns[name].seen.requires_grad:
+                summed_grad = torch.stack(grads).sum(0)
+                for r in ranks:
+                    torch.autograd.backward(r.columns[name].seen, summed_grad, retain_graph=True)
     except Exception as err:  # the localised forward failed on the user's code: not splittable
-        return f"it fails ({type(err).__name__}: {_first_line(err)})"
-    for rank, output in enumerate(outputs):
-        problem = _difference(expected, output, tolerance)
+        return f"it fails ({type(err).__name__}: {_first_line(err)})", ()
+    for rank, r in enumerate(ranks):
+        problem = _difference(run.output, r.output, tolerance) or _shard_grads_differ(r, rank, degree, split,
+                                                                                      run, tolerance)
+        if not problem:
+            input_grads = [t.grad for t in _tensors((r.args, r.kwargs))]
+            problem = next((f"the gradient of its input {i} is off" for i, (want, got)
+                            in enumerate(zip(run.input_grads, input_grads, strict=True))
+                            if not _close(want, got, tolerance)), "")
         if problem:
-            return f"rank {rank} of {degree} computes something else ({problem})"
+            return f"rank {rank} of {degree} computes something else ({problem})", ()
+    return _replicated_grads(ranks, split, run, tolerance)
+
+
+@dataclass
+class _Rank:
+    """One emulated rank: its localised module, its shards, and what its second pass gave."""
+
+    module: nn.Module
+    columns: dict[str, _ColumnShard]
+    row: _RowShard
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    output: Any = None
+
+
+def _shard_grads_differ(rank_run: _Rank, rank: int, degree: int, split: HeadSplit, run: _Run,
+                        tolerance: float) -> str:
+    for name, fused in split.columns:
+        shard = rank_run.columns[name]
+        for pname in ("weight", "bias"):
+            whole = run.grads.get(f"{name}.{pname}")
+            mine = getattr(shard, pname)
+            if whole is not None and mine is not None and \
+                    not _close(local_shard(whole, 0, rank, degree, fused), mine.grad, tolerance):
+                return f"the gradient of {name}.{pname} is off"
+    whole = run.grads.get(f"{split.row}.weight")
+    mine = rank_run.row.weight.grad
+    if whole is not None and not _close(whole.chunk(degree, dim=1)[rank], mine, tolerance):
+        return f"the gradient of {split.row}.weight is off"
     return ""
 
 
+def _replicated_grads(ranks: list[_Rank], split: HeadSplit, run: _Run,
+                      tolerance: float) -> tuple[str, tuple[str, ...]]:
+    """Every other parameter's gradient is the whole module's on every rank (used on whole
+    activations), or summed over the ranks (used on their heads only: to be summed)."""
+    projections = {name for name, _ in split.columns} | {split.row}
+    summed = []
+    for name, _ in ranks[0].module.named_parameters():
+        if name.rpartition(".")[0] in projections:
+            continue
+        grads = [dict(r.module.named_parameters())[name].grad for r in ranks]
+        whole = run.grads.get(name)
+        if all(_close(whole, g, tolerance) for g in grads):
+            continue
+        if all(g is not None for g in grads) and _close(whole, torch.stack(grads).sum(0), tolerance):
+            summed.append(name)
+            continue
+        return f"the gradient of {name}, kept whole on every rank, is neither whole nor a share of it", ()
+    return "", tuple(summed)
+
+
+def _close(want: Tensor | None, got: Tensor | None, tolerance: float) -> bool:
+    """Equal to ``tolerance`` relative to the larger of 1 and ``want``'s largest value (None: zeros)."""
+    if want is None and got is None:
+        return True
+    if want is None or got is None:
+        present = want if want is not None else got
+        return bool(present.abs().max().item() <= tolerance) if present.numel() else True
+    if want.shape != got.shape:
+        return False
+    if not want.numel():
+        return True
+    return bool((want - got).abs().max().item() <= tolerance * max(1.0, want.abs().max().item()))
+
+
+class _ColumnShard(nn.Module):
+    """A rank's rows of a q/k/v projection (of each fused part). It computes from a leaf copy of its
+    input, so that the backward can stop there, add the ranks' input gradients as the layer's
+    all-reduce does, and go on from the input itself (``seen``)."""
+
+    def __init__(self, linear: nn.Linear, rank: int, degree: int, fused: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(local_shard(linear.weight.detach(), 0, rank, degree, fused))
+        self.bias = None if linear.bias is None else nn.Parameter(
+            local_shard(linear.bias.detach(), 0, rank, degree, fused))
+        self.seen: Tensor | None = None
+        self.leaf: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen = x
+        self.leaf = x.detach().requires_grad_(x.requires_grad)
+        return F.linear(self.leaf, self.weight, self.bias)
+
+
 class _RowShard(nn.Module):
-    """A rank's columns of the output projection: records its partial sum, then returns the total."""
+    """A rank's columns of the output projection: in the first pass it keeps its partial sum; in
+    the second it returns the total, its gradient flowing to its own partial sum only (as the
+    all-reduce's backward does)."""
 
     def __init__(self, row: nn.Linear, rank: int, degree: int) -> None:
         super().__init__()
-        columns = row.weight.detach().chunk(degree, dim=1)[rank]
-        self.weight = nn.Parameter(columns.clone(), requires_grad=False)
+        self.weight = nn.Parameter(row.weight.detach().chunk(degree, dim=1)[rank].clone())
         self.partial: Tensor | None = None
         self.total: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.total is not None:
-            return self.total
-        self.partial = F.linear(x, self.weight)
-        return self.partial
-
-
-def _column_shard(linear: nn.Linear, rank: int, degree: int, fused: int) -> nn.Linear:
-    weight = local_shard(linear.weight.detach(), 0, rank, degree, fused)
-    shard = nn.Linear(weight.shape[1], weight.shape[0], bias=linear.bias is not None,
-                      dtype=weight.dtype, device=weight.device)
-    with torch.no_grad():
-        shard.weight.copy_(weight)
-        if linear.bias is not None:
-            shard.bias.copy_(local_shard(linear.bias.detach(), 0, rank, degree, fused))
-    return shard.requires_grad_(False)
+        partial = F.linear(x, self.weight)
+        if self.total is None:
+            self.partial = partial
+            return partial
+        return partial + (self.total - partial).detach()
 
 
 def _difference(expected: Any, got: Any, tolerance: float) -> str:
@@ -443,7 +589,8 @@ def _working_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     generator = torch.Generator().manual_seed(0)
     memo: dict[int, Any] = {}
     for p in module.parameters():
-        memo[id(p)] = nn.Parameter(_random_like(p, dtype, generator), requires_grad=False)
+        values = _random_like(p, dtype, generator)
+        memo[id(p)] = nn.Parameter(values, requires_grad=p.requires_grad and values.is_floating_point())
     for b in module.buffers():
         memo[id(b)] = _buffer_like(b, dtype, generator)
     copied = copy.deepcopy(module, memo)
@@ -475,8 +622,9 @@ def _examples(module: nn.Module, linears: list[str], example: Described | None,
     not too large); without a traced call, one input of the first projection's width."""
     if example is None:
         width = module.get_submodule(linears[0]).in_features
-        yield (torch.randn((*_MADE_UP_LEADING, width), dtype=dtype,
-                           generator=torch.Generator().manual_seed(1)),), {}
+        generator = torch.Generator().manual_seed(1)
+        made_up = torch.randn((*_MADE_UP_LEADING, width), dtype=dtype, generator=generator)
+        yield (made_up.requires_grad_(),), {}
         return
     sizes = [math.prod(s) for s in tensor_shapes(example)]
     for shrink in (True, False):

@@ -89,7 +89,7 @@ def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, group: Any
             report.replaced[alias] = decision.style
     report.shared = [names for pid, names in owners.items() if pid in shared and len(names) > 1]
     for name in plan.attention:
-        report.attention[name] = _localize(modules[name], plan, name)
+        report.attention[name] = _localize(modules[name], plan, name, mesh.get_group())
     return report
 
 
@@ -131,10 +131,11 @@ def _parameter_owners(model: nn.Module) -> dict[int, tuple[str, ...]]:
     return {pid: tuple(names) for pid, names in owners.items()}
 
 
-def _localize(module: nn.Module, plan: TensorParallelPlan, name: str) -> dict[str, tuple[Any, Any]]:
+def _localize(module: nn.Module, plan: TensorParallelPlan, name: str,
+              group: Any) -> dict[str, tuple[Any, Any]]:
     split = plan.attention[name]
     if split.heads is not None:  # an attention no adapter knows: its heads as smpart found them
-        return heads.localize(module, split.heads, plan.degree)
+        return heads.localize(module, split.heads, plan.degree, group)
     adapter = adapter_named(split.adapter)
     if adapter is None:
         if split.adapter != _Published.name:

@@ -1,9 +1,10 @@
 """What a module was called with, as plain data, and arguments made again from that description.
 
 The tracer writes down each module's first call (`describe_call`): every tensor argument's shape
-and dtype, plain values (None, booleans, numbers, strings) as they were, containers of those
-recursively, and the type name of anything else. The description is JSON, costs a few numbers
-per module, and is exact on the meta device, where the trace usually runs.
+and dtype (and whether it required grad), plain values (None, booleans, numbers, strings) as
+they were, containers of those recursively, and the type name of anything else. The
+description is JSON, costs a few numbers per module, and is exact on the meta device, where the
+trace usually runs.
 
 `example_call` turns a description back into arguments with random values, so a module can be
 run alone, on the CPU, without the model or its batch: tensor parallelism proves a split of an
@@ -33,7 +34,10 @@ def describe_call(args: tuple, kwargs: dict[str, Any]) -> Described:
 
 def _describe(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return {"tensor": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+        described = {"tensor": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+        if value.requires_grad:
+            described["grad"] = True
+        return described
     if isinstance(value, _PLAIN):
         return {"value": value}
     if isinstance(value, list | tuple) and type(value) in (list, tuple):
@@ -44,8 +48,9 @@ def _describe(value: Any) -> Any:
 def example_call(described: Described, *, generator: torch.Generator, floating: torch.dtype = torch.float64,
                  shrink: bool = False) -> tuple[tuple, dict[str, Any]] | None:
     """Arguments matching ``described``: floating tensors drawn from a normal distribution (in
-    ``floating``, complex ones in its complex counterpart), integer tensors zeros, boolean ones
-    True. None when the description holds something that cannot be made."""
+    ``floating``, complex ones in its complex counterpart; requiring grad where the traced ones
+    did), integer tensors zeros, boolean ones True. None when the description holds something that
+    cannot be made."""
     sizes = _shrunk_sizes(described) if shrink else {}
     made = _Maker(generator, floating, sizes)
     try:
@@ -101,7 +106,8 @@ class _Maker:
         if "tuple" in entry:
             return tuple(self(v) for v in entry["tuple"])
         if "tensor" in entry:
-            return self.tensor([self.sizes.get(s, s) for s in entry["tensor"]], entry["dtype"])
+            made = self.tensor([self.sizes.get(s, s) for s in entry["tensor"]], entry["dtype"])
+            return made.requires_grad_() if entry.get("grad") and made.is_floating_point() else made
         raise _Unmakeable(entry.get("other"))
 
     def tensor(self, shape: list[int], dtype_name: str) -> torch.Tensor:

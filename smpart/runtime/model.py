@@ -136,7 +136,7 @@ class DistributedModel:
         its placement will write (`smpart.load_checkpoint`, ``load_weights``, `load_state_dict`); a
         tensor no load covers has no value yet, and asking for it raises `SmpartError`."""
         runtime = self._runtime
-        if runtime is None and holds_meta(self.module):  # built on meta, not placed yet
+        if runtime is None and not self._released and holds_meta(self.module):  # built on meta, not placed
             return self._state_before_placement()
         if getattr(runtime, "state_group", None) is None:  # threads, or not placed: every entry is here
             return self._own_state()

@@ -22,15 +22,24 @@ them. `find_head_split` splits such a module without knowing its class, in three
    (nanoGPT's ``B, T, C = x.size()``, used to reshape the heads' output back) is handed its
    share instead: a narrow view of the input of the local width, while the projections are given
    the whole input itself (`_LocalWidthForward`); nothing is copied or communicated.
-3. **Prove.** The split is emulated on that CPU copy: each rank's localised module runs with its
-   shards, the output projection's partial sums are added as the all-reduce would, and every
-   rank's output must equal the whole module's. A split that fails or differs is not made: the
-   module stays whole, and the reason says what happened. Localising variants are tried in
-   order (the attributes alone; then with the input's width too) and the first proven one is
-   kept. Proofs are cached per class, shapes, attributes, degree and example.
+3. **Prove.** The split is emulated on that CPU copy, forward and backward: each rank's
+   localised module runs with its shards, the output projection's partial sums are added as its
+   all-reduce would, and in the backward the q/k/v projections' input gradients are added as
+   theirs would. Every rank's output, input gradients and shards' gradients must be the whole
+   module's. A parameter the module keeps whole (a per-head q/k norm) must get the whole
+   module's gradient on every rank, or, used on the local heads only, a share of it: such
+   parameters are listed (`HeadSplit.summed`) and, once split for real, read through
+   `copy_to_tp` during the module's call, which sums their gradient over the group
+   (`_SummedGradients`). A split that fails or differs is not made: the module stays whole, and
+   the reason says what happened. Localising variants are tried in order (the attributes alone;
+   then with the input's width too) and the first proven one is kept. Proofs are cached per
+   class, shapes, attributes, degree and example.
 
 The proof is about the module's code, not its weights, so a model built on the meta device is
-proven as well as a real one; it runs in float64 (float32 if the module refuses float64).
+proven as well as a real one; it runs in float64 (float32 if the module refuses float64), or,
+for a module of more than `_LARGE` parameters, in float32 first: a wrong split is off by the
+size of the values, far beyond float32's rounding, and the proof of a Llama-8B-sized attention
+then moves half the bytes.
 """
 
 from __future__ import annotations
@@ -56,6 +65,8 @@ _MADE_UP_LEADING = (2, 8)
 _LARGEST_EXAMPLE = 2**22
 #: The split must match the whole module to this, relative to the output's largest value.
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+#: Parameters above which the proof runs in float32 first.
+_LARGE = 2**22
 _CACHE_SIZE = 256
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -89,7 +100,7 @@ class _LocalWidthForward:
     local width. The views stand for the inputs only by identity, for the length of one call."""
 
     def __init__(self, module: nn.Module, columns: Iterable[str], width: int, degree: int) -> None:
-        self.original = module.forward
+        self.original = self.__wrapped__ = module.forward  # inspect.signature sees the module's own
         self.width, self.local = width, width // degree
         self.whole: dict[int, Tensor] = {}
         for path in columns:
@@ -125,7 +136,8 @@ class _SummedGradients:
     stay the objects optimizers hold; only the module's view of them changes during its call."""
 
     def __init__(self, module: nn.Module, names: Iterable[str], group: Any) -> None:
-        self.original, self.module, self.group = module.forward, module, group
+        self.original = self.__wrapped__ = module.forward
+        self.module, self.group = module, group
         self.names = [name.rpartition(".") for name in names]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -312,8 +324,12 @@ _PROVEN: dict[tuple, HeadSplit | str] = {}
 
 def _find(module: nn.Module, linears: list[str], degree: int, example: Described | None) -> HeadSplit | str:
     first_error = ""
-    for dtype in (torch.float64, torch.float32):
-        whole = _working_copy(module, dtype)
+    large = sum(p.numel() for p in module.parameters()) > _LARGE
+    for dtype in (torch.float32, torch.float64) if large else (torch.float64, torch.float32):
+        try:
+            whole = _working_copy(module, dtype)
+        except Exception as err:  # it holds something deepcopy cannot copy (a lock, a process group)
+            return f"it could not be copied to be run alone ({type(err).__name__}: {_first_line(err)})"
         for args, kwargs in _examples(module, linears, example, dtype):
             try:
                 run = _observed_run(whole, linears, args, kwargs)
@@ -598,12 +614,14 @@ def _working_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def _random_like(p: Tensor, dtype: torch.dtype, generator: torch.Generator) -> Tensor:
-    target = dtype if p.is_floating_point() else p.dtype
-    values = torch.randn(p.shape, dtype=target, generator=generator) if target.is_floating_point else \
-        torch.zeros(p.shape, dtype=target)
+    """Uniform values (cheaper to draw than normal ones), of a matrix's fan-in scale, or near one
+    for a vector (a norm's weight)."""
+    if not p.is_floating_point():
+        return torch.zeros(p.shape, dtype=p.dtype)
     if p.ndim >= 2:
-        return values / math.sqrt(p.shape[-1])
-    return 1 + 0.1 * values if target.is_floating_point else values
+        bound = math.sqrt(3 / p.shape[-1])
+        return torch.empty(p.shape, dtype=dtype).uniform_(-bound, bound, generator=generator)
+    return torch.empty(p.shape, dtype=dtype).uniform_(0.8, 1.2, generator=generator)
 
 
 def _buffer_like(b: Tensor, dtype: torch.dtype, generator: torch.Generator) -> Tensor:

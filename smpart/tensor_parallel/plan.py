@@ -757,9 +757,10 @@ class _Planner:
                 return
             unknown = ("smpart has no adapter for this attention (register_attention_adapter teaches it one) "
                        f"and could not split its heads itself: {found}")
-            inside = f"it projects inside {name} ({type(module).__name__}), "
+            why = (f"its attention {name} is kept whole: a projection is {refused}" if refused else
+                   f"it projects inside {name} ({type(module).__name__}), {unknown}")
             for child in projections:
-                self.keep(child, self.refusal(child) or inside + unknown)
+                self.keep(child, self.refusal(child) or why)
                 self.handled.add(child)
             if projections and not refused:
                 self.warn_class(name, module, unknown)

@@ -88,8 +88,8 @@ def main() -> None:
     print("nanoGPT at GPT-2 small's size on meta, planned at tp 2:")
     for on in (True, False):
         r = _planned(on)
-        print(f"  head finder {'on ' if on else 'off'}: {r['params']:.1%} of parameters and "
-              f"{r['flops']:.1%} of FLOPs split, {r['attention']} of 12 attention layers, "
+        print(f"  head finder {'on ' if on else 'off'}: {r['params']:.2%} of parameters and "
+              f"{r['flops']:.2%} of FLOPs split, {r['attention']} of 12 attention layers, "
               f"{r['warnings']} warning(s); smpart.trace {r['trace_s']:.2f} s")
     print("one proof, uncached (median wall seconds over", args.repeats, "runs):")
     for name, (module, example) in _proof_cases().items():
@@ -102,7 +102,10 @@ def main() -> None:
                 found = heads.find_head_split(module, degree, example)
                 times.append(time.perf_counter() - start)
             assert isinstance(found, heads.HeadSplit), found
-            cells.append(f"tp {degree}: {statistics.median(times):.2f} s")
+            if found.q_heads % degree or found.kv_heads % degree:
+                cells.append(f"tp {degree}: {found.q_heads} heads do not divide, nothing to prove")
+            else:
+                cells.append(f"tp {degree}: {statistics.median(times):.2f} s")
         print(f"  {name:<24} " + ", ".join(cells))
 
 

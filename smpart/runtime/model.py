@@ -53,6 +53,9 @@ class DistributedModel:
         #: Work waiting for the model to be placed (a checkpoint load under torchrun), run by the
         #: runtime on every rank right after placement.
         self._after_placement: list[Callable[[], None]] = []
+        #: What those loads will write into tensors built on meta, readable before then: each
+        #: returns ``{state dict name: value on the CPU}`` (`state_dict` serves them, later loads win).
+        self._loaded_later: list[Callable[[], dict[str, torch.Tensor]]] = []
         #: Whether every rank's copy took the first rank's values (`replicas`), or needs not: placed.
         self._agreed = False
         #: Rank 0's seed, for modules initialised at placement from the meta device (`replicas`).
@@ -91,6 +94,7 @@ class DistributedModel:
 
     def _placed(self) -> None:
         pending, self._after_placement = self._after_placement, []
+        self._loaded_later = []
         for work in pending:
             work()
 
@@ -133,8 +137,14 @@ class DistributedModel:
         (``if smpart.rank() == 0: torch.save(model.state_dict(), path)``, between steps or after
         the last): each other stage's rank sends its own entries when it next waits inside the step
         function, its own ``state_dict()`` or ``smpart.shutdown()``, where its parameters hold
-        still. With tensor parallelism it is collective: every rank must call it."""
+        still. With tensor parallelism it is collective: every rank must call it.
+
+        Before the first step of a model built on the meta device: the values the loads waiting for
+        its placement will write (`smpart.load_checkpoint`, ``load_weights``, `load_state_dict`); a
+        tensor no load covers has no value yet, and asking for it raises `SmpartError`."""
         runtime = self._runtime
+        if runtime is None and not self._released and holds_meta(self.module):  # built on meta, not placed
+            return self._state_before_placement()
         if getattr(runtime, "state_group", None) is None:  # threads, or not placed: every entry is here
             return self._own_state()
         if runtime.layout.tp == 1:
@@ -150,6 +160,24 @@ class DistributedModel:
         merged = {k: v for part in gathered for k, v in part.items()}
         return {k: merged[k] for k in order if k in merged}
 
+    def _state_before_placement(self) -> dict[str, torch.Tensor]:
+        """The state dict of a model built on meta and not placed yet: the values loads waiting for
+        its placement will write (a checkpoint's, read now), or an error for tensors that have none."""
+        served: dict[str, torch.Tensor] = {}
+        for values in self._loaded_later:
+            served.update(values())
+        own = self.module.state_dict()
+        missing = [k for k, v in own.items() if v.is_meta and k not in served]
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise SmpartError(
+                f"this model was built on the meta device and is not placed yet: {len(missing)} of its "
+                f"tensors ({', '.join(missing[:5])}{more}) have no values until its first step, where each "
+                "stage makes its own (initialised, or loaded by smpart.load_checkpoint / load_weights / "
+                "load_state_dict called before it). Read the state dict after the first step (a "
+                "forward-only step under torch.no_grad() places the model without changing it)")
+        return {k: served[k] if k in served else v.detach().cpu() for k, v in own.items()}
+
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
         """Load a full state dict (from the plain model or `state_dict`); every rank takes its own
         entries (those of other stages are not held here), which land on their stage's device. A
@@ -164,6 +192,8 @@ class DistributedModel:
         if self._runtime is None and holds_meta(self.module):
             # Built on meta: each stage's tensors are made at placement, and take their entries then.
             self._after_placement.append(lambda: self.load_state_dict(state_dict, strict=False))
+            self._loaded_later.append(lambda: {k: v.detach().cpu() for k, v in state_dict.items()
+                                               if k in every})
             return nn.modules.module._IncompatibleKeys([], [])
         mine = {k: v for k, v in state_dict.items() if k in held}
         return self.module.load_state_dict(mine, strict=False)

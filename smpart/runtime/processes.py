@@ -549,7 +549,7 @@ class ProcessRuntime:
 
     def _place(self, model: DistributedModel, partition: Any) -> None:
         if self.layout.tp > 1:
-            self._split_for_tensor_parallelism(model)
+            self._split_for_tensor_parallelism(model, partition.tree)
             partition = _as_split(partition, model.tensor_parallel_plan)
         seed = (None if model._init_seed is None else
                 initialisation_seed(model._init_seed, model.model_id, self.stage))
@@ -564,14 +564,15 @@ class ProcessRuntime:
         self.models[model.model_id] = model
         model._placed()
 
-    def _split_for_tensor_parallelism(self, model: DistributedModel) -> None:
-        """Swap in the tensor-parallel layers the automatic plan chooses; parameters that become
-        shards are new objects, which every optimizer adopts (`placement.remember_replacement`)."""
+    def _split_for_tensor_parallelism(self, model: DistributedModel, tree: Any) -> None:
+        """Swap in the tensor-parallel layers the automatic plan chooses (``tree``, the traced one, lends
+        its recorded calls to prove attention no adapter knows); parameters that become shards are
+        new objects, which every optimizer adopts (`placement.remember_replacement`)."""
         from smpart.runtime.placement import remember_replacement
         from smpart.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel
 
         before = dict(model.module.named_parameters())
-        plan = plan_tensor_parallel(model.module, self.layout.tp)
+        plan = plan_tensor_parallel(model.module, self.layout.tp, example_inputs=tree)
         apply_tensor_parallel(model.module, plan, self.setup.tp_group)
         after = dict(model.module.named_parameters())
         for name, old in before.items():

@@ -36,7 +36,8 @@ def _train(rank, pp, tp, name, steps=4):
         out = train_step(model, example, [a[mine] for a in args], {k: v[mine] for k, v in kwargs.items()},
                          target[mine])
         expected = reference_step(reference, example, args, kwargs, target, 2 * dp)
-        losses.append((out.stack() - expected[2 * smpart.dp_rank():2 * smpart.dp_rank() + 2]).abs().max().item())
+        mine_expected = expected[2 * smpart.dp_rank():2 * smpart.dp_rank() + 2]
+        losses.append((out.stack() - mine_expected).abs().max().item())
         runtimes.append(out.timeline.runtime)
         opt.step()
         opt.zero_grad()
@@ -112,7 +113,8 @@ def test_a_module_error_in_a_program_step_is_named_on_every_rank_and_the_next_st
 def _one_dies(rank):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double()
-    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=300, pin={"": 0, "0": 0, "1": 0, "2": 1})
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=300,
+                pin={"": 0, "0": 0, "1": 0, "2": 1})
     dm = smpart.DistributedModel(model)
 
     @smpart.step

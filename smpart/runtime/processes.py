@@ -260,7 +260,7 @@ class ProcessRuntime:
                     return self._drive(step, fn, pieces, model)
                 self.states.answer_waiting()  # before the stage may begin the step (`arm`)
                 self.states.done_asking(self.driver_place, step)
-                return self._follow(step, fn, model)
+                return self._follow(step, fn, model, pieces)
             finally:
                 self.transport.step = None
                 self.steps_taken = step + 1
@@ -287,7 +287,8 @@ class ProcessRuntime:
         self._end_step(error)
         return results, timeline
 
-    def _follow(self, step: int, fn: Callable, model: Any) -> tuple[list[Any], Any]:
+    def _follow(self, step: int, fn: Callable, model: Any,
+                pieces: list[tuple[tuple, dict]]) -> tuple[list[Any], Any]:
         """Serve (in the stage server's threads, or this rank's program on this thread) until the
         driver's rank says the step is over."""
         self._begin_gradient_sync()
@@ -298,11 +299,11 @@ class ProcessRuntime:
         recorder = templates.Recorder() if self.config.step_programs else None
         templates.start_recording(recorder)  # a reference step records what its calls return
         try:
-            return self._serve_step(step, fn, model, main, started, timeout_s, recorder)
+            return self._serve_step(step, fn, model, pieces, main, started, timeout_s, recorder)
         finally:
             templates.start_recording(None)
 
-    def _serve_step(self, step: int, fn: Callable, model: Any, main: Address, started: float,
+    def _serve_step(self, step: int, fn: Callable, model: Any, pieces: list, main: Address, started: float,
                     timeout_s: float, recorder: templates.Recorder | None) -> tuple[list[Any], Any]:
         # A step may take longer than timeout_s (a limit on each wait); give up only when neither the
         # driver's rank answered nor this stage heard anything for that long.
@@ -310,7 +311,7 @@ class ProcessRuntime:
             message = self._deferred.pop(0) if self._deferred else self.transport.receive(main, POLL_S)
             if isinstance(message, BeginProgram):
                 templates.start_recording(None)
-                program_steps.follow(self, message, fn, model)
+                program_steps.follow(self, message, fn, model, pieces)
                 templates.start_recording(recorder)  # a step given up runs again on the reference runtime
                 started = time.monotonic()
                 continue

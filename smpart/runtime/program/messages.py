@@ -36,7 +36,6 @@ class BeginProgram:
     key: Any
     discover: bool
     inputs: list
-    models_at: list
     templates: dict | None = None
     program: Any = None
     grad_scale: float = 1.0

@@ -368,12 +368,6 @@ def drive(
         return results, timeline
     key = step_key(fn, pieces, config, ambient, model)
     decision = programs.decide(key, config.step_programs)
-    inputs = None
-    if not decision.reference:
-        inputs, models_at, why = input_templates(pieces)
-        if why is not None:
-            programs.cannot(key, why)
-            decision = programs.decide(key, config.step_programs)
     if decision.reference:
         results, timeline, recorded = _reference(reference, programs.reason_for(key) or decision.reason,
                                                  record=decision.record)
@@ -384,7 +378,7 @@ def drive(
     attempt = ProcessProgramStep(runtime, model, programs, decision, fn, step, ambient)
     error: BaseException | None = None
     try:
-        results, timeline, reports = attempt.lead(pieces, inputs, models_at)
+        results, timeline, reports = attempt.lead(pieces)
     except BaseException as err:  # noqa: BLE001 - settled with the other replicas first
         error = err
     code = attempt.settle(error)
@@ -415,34 +409,11 @@ def _with_reports(recorded: dict[tuple, Any], timeline: Timeline) -> dict[tuple,
     return merged
 
 
-def input_templates(pieces: list[tuple[tuple, dict]]) -> tuple[list[Any], list[Any], str | None]:
-    """Each micro-batch's inputs as a template (the model left out, its places noted), or why the
-    other ranks could not stand in for them."""
-    from torch import nn
-
-    from smpart.runtime.model import DistributedModel
-
-    out, models_at = [], []
-    for args, kwargs in pieces:
-        places = [i for i, a in enumerate(args) if isinstance(a, DistributedModel | nn.Module)]
-        names = [k for k, v in kwargs.items() if isinstance(v, DistributedModel | nn.Module)]
-        plain = (
-            [None if i in places else a for i, a in enumerate(args)],
-            {k: None if k in names else v for k, v in kwargs.items()},
-        )
-        template = templates.OutputTemplate.of(plain)
-        if template.opaque is not None:
-            return (
-                [],
-                [],
-                (
-                    f"the step's arguments hold a {template.opaque}, which the other ranks cannot stand "
-                    "in for (pass tensors and plain values)"
-                ),
-            )
-        out.append(template)
-        models_at.append((places, names))
-    return out, models_at, None
+def input_templates(pieces: list[tuple[tuple, dict]]) -> list[Any]:
+    """Each micro-batch's inputs as a template, for the other ranks: tensors by shape and dtype (the
+    ranks get placeholders for them), plain values as they are. Any other object (the model, a
+    loss function, a config) each rank takes from its own call of the step function."""
+    return [templates.OutputTemplate.of(piece) for piece in pieces]
 
 
 class ProcessProgramStep:
@@ -472,7 +443,7 @@ class ProcessProgramStep:
 
     # ================================================================ the first stage's rank
     def lead(
-        self, pieces: list[tuple[tuple, dict]], inputs: list[Any], models_at: list[Any]
+        self, pieces: list[tuple[tuple, dict]]
     ) -> tuple[list[Any], Timeline, list[RankReport]]:
         from smpart.runtime.messages import MAIN
         from smpart.runtime.program.messages import BeginProgram, ProgramReport
@@ -487,8 +458,7 @@ class ProcessProgramStep:
             step,
             self.decision.key,
             self.decision.discover,
-            inputs,
-            models_at,
+            input_templates(pieces),
             dict(programs.templates) if news else None,
             self.program if new_program else None,
             scale,
@@ -553,8 +523,10 @@ class ProcessProgramStep:
         return results, timeline, reports
 
     # ================================================================ every other rank
-    def follow(self, begin: Any) -> None:
-        """Run this rank's part of the program ``begin`` announced, and report to its sender."""
+    def follow(self, begin: Any, own: list[tuple[tuple, dict]]) -> None:
+        """Run this rank's part of the program ``begin`` announced, and report to its sender;
+        ``own``: this rank's own call's micro-batches (its objects that are neither tensors nor
+        plain values stand in for the first rank's)."""
         from smpart.runtime.program.messages import ProgramReport
 
         runtime = self.runtime
@@ -562,12 +534,7 @@ class ProcessProgramStep:
         device = runtime.setup.device
 
         def stand_ins(mb: int, run: Any) -> tuple[tuple, dict]:
-            args, kwargs = begin.inputs[mb].placeholders(first_rank, 0, run, device)
-            places, names = begin.models_at[mb]
-            for i in places:
-                args[i] = self.model
-            for name in names:
-                kwargs[name] = self.model
+            args, kwargs = begin.inputs[mb].placeholders(first_rank, 0, run, device, own=own[mb])
             return tuple(args), kwargs
 
         snapshot = Snapshot(self.programs)
@@ -649,7 +616,7 @@ class ProcessProgramStep:
                     runtime.transport.send(runtime.rank, (rank, PROGRAM), abort)
 
 
-def follow(runtime: Any, begin: Any, fn: Callable, model: Any) -> None:
+def follow(runtime: Any, begin: Any, fn: Callable, model: Any, pieces: list[tuple[tuple, dict]]) -> None:
     """A rank other than the first stage's runs its part of the program step ``begin`` announces."""
     programs = programs_of(model)
     if programs is None:
@@ -667,7 +634,11 @@ def follow(runtime: Any, begin: Any, fn: Callable, model: Any) -> None:
             programs.programs[begin.key] = begin.program
         program = programs.last = programs.programs.get(begin.key)
     decision = Decision(begin.key, "", discover=begin.discover, program=program)
-    ProcessProgramStep(runtime, model, programs, decision, fn, begin.step, begin.ambient).follow(begin)
+    if len(pieces) != len(begin.inputs):
+        raise SmpartError(f"rank {runtime.rank} split its step's arguments into {len(pieces)} micro-batches, "
+                          f"the first stage's rank into {len(begin.inputs)}: every rank calls the step alike")
+    attempt = ProcessProgramStep(runtime, model, programs, decision, fn, begin.step, begin.ambient)
+    attempt.follow(begin, pieces)
 
 
 def _shippable(error: BaseException, rank: int) -> BaseException:

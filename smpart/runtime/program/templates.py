@@ -63,18 +63,29 @@ class OutputTemplate:
         leaves, spec = pytree.tree_flatten(output)
         return cls(spec, [_leaf_template(leaf) for leaf in leaves])
 
-    def placeholders(self, avail: int, pos: int, run: Any, device: torch.device, node: Any = None) -> Any:
+    def placeholders(self, avail: int, pos: int, run: Any, device: torch.device, node: Any = None,
+                     own: Any = None) -> Any:
+        """The outputs as placeholders held by ``avail`` (made at transfer count ``pos``, the outputs
+        of lazy ``node`` if given); ``own``: a value of the same structure whose leaves stand in for
+        those a template cannot rebuild (a rank's own step arguments)."""
         from smpart.runtime.program.glue import Diverged
         from smpart.runtime.program.placeholder import Placeholder
 
-        if self.opaque is not None:
+        fill = None
+        if own is not None:  # this rank's own value of the same structure fills the opaque leaves
+            fill, spec = pytree.tree_flatten(own)
+            if spec != self.spec:
+                raise Diverged("this rank's step arguments are not structured as the first stage's rank's")
+        elif self.opaque is not None:
             raise Diverged(
                 f"a module's output holds a {self.opaque}, which a step program cannot stand in "
                 "for on the ranks that do not hold the module"
             )
         leaves = []
-        for m in self.leaves:
-            if type(m) is TensorMeta:
+        for i, m in enumerate(self.leaves):
+            if type(m) is Opaque and fill is not None:
+                m = fill[i]
+            elif type(m) is TensorMeta:
                 index = len(node.outputs) if node is not None else 0
                 m = Placeholder(m.shape, m.dtype, device, m.requires_grad, avail, pos, run, m.stride, node,
                                 index)

@@ -215,7 +215,9 @@ class RankRun:
         self.grad_scale = grad_scale
         self.microbatches = microbatches
         self.on_gradients_final = on_gradients_final
-        self.checks_outputs = True
+        #: One rank (pp 1): nothing is held elsewhere, the glue needs no mode and calls no checks:
+        #: a step is the micro-batch loop and, with data parallelism, the buckets (DDP's shape).
+        self.checks_outputs = context.size > 1
         self.suspend_at = program.suspend_at[self.me] if program is not None else frozenset()
         self.expected = program.events[self.me] if program is not None else None
         self.mode = GlueMode()
@@ -275,14 +277,13 @@ class RankRun:
             body = self.bodies[mb] = greenlet(lambda: self._body(mb), parent=self.loop)
             body.switch()
         else:
-            suspension = body.suspension
-            body.switch(suspension)
+            body.switch()
 
     def _body(self, mb: int) -> None:
         run = self.runs[mb] = MicrobatchRun(self, mb, self.step, self.expected)
         args, kwargs = self.inputs(mb, run)
-        mode = self.mode
-        mode.run = run
+        mode = self.mode if self.size > 1 else contextlib.nullcontext()
+        self.mode.run = run
         with running(run.frame), self.ambient.applied(), mode:
             result = self.fn(*args, **kwargs)
             run.finish(result)

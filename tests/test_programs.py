@@ -429,3 +429,35 @@ def test_a_program_that_would_deadlock_is_refused():
     deps = {(1, "F0"): {(0, "F0")}, (1, "B0"): {(1, "F0")}, (0, "B0"): {(1, "B0")}}
     with pytest.raises(smpart.SmpartError, match="deadlock.*rank 1 at B0"):
         program.check(deps)
+
+
+# ==================================================================== the zoo
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["gpt2", "t5", "resnet", "transgan", "albert"])
+def test_every_zoo_model_runs_its_program_like_the_unsplit_model(name):
+    """Tied embeddings (GPT-2), keyword arguments and dict outputs (T5), BatchNorm (ResNet), a
+    layer reused on every stage (ALBERT): from the third step on, programs, equal to the unsplit model."""
+    from tests.test_runtime import ZOO, train_side_by_side
+
+    for stages in (2, 3):
+        _, _, out, diff = train_side_by_side(ZOO[name], stages, 4, "interleaved", steps=3)
+        diff.assert_within(1e-5, (name, stages))
+        assert out.timeline.runtime == "program", (name, stages, out.timeline.reason)
+        smpart.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_mixture_of_experts_held_whole_by_its_stage_routes_inside_its_program():
+    """Which expert a token goes to changes every step; with each mixture-of-experts layer on one
+    stage, that is the stage's own business, and the program holds."""
+    from examples.models import ZOO
+
+    example = ZOO["moe"](dtype=torch.float64)
+    layers = len(example.model.transformer.h)
+    pins = {"": 0, **{f"transformer.h.{i}": i * 2 // layers for i in range(layers)}}
+    from tests.test_runtime import train_side_by_side
+
+    smpart.shutdown()
+    _, _, out, diff = train_side_by_side(ZOO["moe"], 2, 4, "interleaved", steps=4, pin=pins)
+    diff.assert_within(1e-5, "moe")
+    assert out.timeline.runtime == "program", out.timeline.reason

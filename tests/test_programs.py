@@ -461,3 +461,56 @@ def test_a_mixture_of_experts_held_whole_by_its_stage_routes_inside_its_program(
     _, _, out, diff = train_side_by_side(ZOO["moe"], 2, 4, "interleaved", steps=4, pin=pins)
     diff.assert_within(1e-5, "moe")
     assert out.timeline.runtime == "program", out.timeline.reason
+
+
+@pytest.mark.timeout(180)
+def test_checkpointing_autocast_eval_and_accumulation_run_as_programs():
+    """Activation checkpointing of the blocks, autocast around the step's call, an evaluation step
+    under no_grad, and gradients accumulated over two step calls: programs, as the unsplit model."""
+    from examples.models import gpt2
+
+    example = gpt2(dtype=torch.float64)
+    model, reference = example.model, copy.deepcopy(example.model)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60,
+                activation_checkpointing=["transformer.h.*"])
+    dm = smpart.DistributedModel(model)
+
+    @smpart.step
+    def train(model, ids, target):
+        loss = example.loss(model(ids), target)
+        model.backward(loss)
+        return loss
+
+    @smpart.step
+    def evaluate(model, ids, target):
+        return example.loss(model(ids), target)
+
+    def unsplit(ids, target, backward=True):
+        losses = []
+        for i, t in zip(ids.chunk(2), target.chunk(2), strict=True):
+            loss = example.loss(reference(i), t)
+            if backward:
+                (loss / 2).backward()
+            losses.append(loss.detach())
+        return torch.stack(losses)
+
+    for step in range(4):  # two step calls accumulate before each comparison
+        for half in range(2):
+            (ids,), _, target = example.batch(4, seed=2 * step + half)
+            out = train(dm, ids, target)
+            assert (out.stack() - unsplit(ids, target)).abs().max() <= 1e-9
+        for p, q in zip(dm.parameters(), reference.parameters(), strict=True):
+            assert (p.grad - q.grad).abs().max() <= 1e-9
+            p.grad = q.grad = None
+        with torch.no_grad():
+            seen = evaluate(dm, ids, target)
+            assert (seen.stack() - unsplit(ids, target, backward=False)).abs().max() <= 1e-9
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = evaluate(dm, ids, target)
+            expected = unsplit(ids, target, backward=False)
+        assert low.stack().dtype == expected.dtype and (low.stack() - expected).abs().max() <= 1e-9
+        for p in reference.parameters():
+            p.grad = None
+    assert out.timeline.runtime == "program", out.timeline.reason
+    assert seen.timeline.runtime == "program" and low.timeline.runtime == "program", (
+        seen.timeline.reason, low.timeline.reason)

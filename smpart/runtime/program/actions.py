@@ -55,7 +55,8 @@ class Action:
 class RankShape:
     """What one rank did in one micro-batch of the recorded step."""
 
-    #: ("send", k, to), ("recv", k, src), ("compute",), ("loss",), ("loss_sent", ((k, to), ...)).
+    #: ("send", k, to), ("recv", k, src), ("compute",), ("loss",), ("loss_sent", ((k, to), ...)): the
+    #: gradients the loss's backward sent, ("end_sent", ...): those sent as the body ended.
     forward: list[tuple]
     #: Backward rounds: ((received (k, from), ...), (sent (k, to), ...)); the first entry has no
     #: roots: the gradients sent before any round (leaves no root reaches).
@@ -274,7 +275,7 @@ class _Graph:
                         self.f_send[item[1]] = node
                     elif item[0] == "recv":
                         self.f_recv[item[1]] = node
-                    elif item[0] == "loss_sent":
+                    elif item[0] in ("loss_sent", "end_sent"):
                         for k, to in item[1]:
                             self.g_send[(k, to)] = node
             for k, to in self.pre[rank]:
@@ -410,7 +411,7 @@ class _Graph:
             src = owner.get(node)
             if src is None:
                 continue
-            if self._is_loss_send(node):
+            if self._is_loss_send(node) and any(p.kind == "L" for p in pieces[node[0]]):
                 src = (node[0], ("L",))
             for target in targets:
                 dst = owner.get(target)

@@ -35,7 +35,7 @@ from smpart.runtime import ambient as ambient_state
 from smpart.runtime.calls import current_frame, running
 from smpart.runtime.program.actions import Action, Program
 from smpart.runtime.program.glue import Backward, Diverged, GlueMode, MicrobatchRun, send_final_leaves
-from smpart.runtime.program.templates import UNPREDICTABLE, signature
+from smpart.runtime.program.templates import UNPREDICTABLE, call_key
 from smpart.runtime.scheduler import Cancelled
 
 POLL_S = 0.05
@@ -287,6 +287,10 @@ class RankRun:
         with running(run.frame), self.ambient.applied(), mode:
             result = self.fn(*args, **kwargs)
             run.finish(result)
+        if run.leaves:  # gradients no root of this rank can reach (none, without a backward) go now
+            sent = send_final_leaves(run, max((root.pos for root in run.roots), default=-1), self.wire)
+            if sent:
+                run.structure.append(("end_sent", tuple(sent)))
         if run.expected is not None and run.cursor != len(run.expected):
             raise Diverged(f"micro-batch {mb} on rank {self.me} ended before doing all the program recorded")
         self.report.specs[mb] = run.result_spec
@@ -312,7 +316,7 @@ class RankRun:
 
     def check_output(self, staged: Any, args: tuple, kwargs: dict, output: Any) -> None:
         """A whole module this rank ran must return what the other ranks' placeholders say."""
-        key = (staged.model, staged.name, signature((args, kwargs)))
+        key = call_key(staged.model, staged.name, args, kwargs)
         template = self.templates.get(key)
         if template is None or template == UNPREDICTABLE or not template.matches(output):
             raise Diverged(

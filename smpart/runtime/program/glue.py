@@ -49,7 +49,7 @@ from smpart.runtime import boundary
 from smpart.runtime.ambient import capture
 from smpart.runtime.calls import Frame, as_pipeline_error, running
 from smpart.runtime.program.placeholder import METADATA, LazyNode, Placeholder, holders, lowest, meta_of
-from smpart.runtime.program.templates import UNPREDICTABLE, OutputTemplate, signature
+from smpart.runtime.program.templates import UNPREDICTABLE, OutputTemplate, call_key
 
 _AT = "_smpart_at"  # a tensor this rank made inside a micro-batch: (avail, pos, run)
 _T = torch.Tensor
@@ -459,7 +459,7 @@ class MicrobatchRun:
         for t in _tensors((args, kwargs)):
             self.make_available(owner, t)
         self.flush_sends()
-        key = (staged.model, staged.name, signature((args, kwargs)))
+        key = call_key(staged.model, staged.name, args, kwargs)
         template = rank.templates.get(key)
         if template == UNPREDICTABLE:
             raise Diverged(

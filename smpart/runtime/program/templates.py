@@ -23,6 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from smpart.runtime import boundary
+from smpart.runtime.ambient import capture
 
 #: A template of a call whose output changed between micro-batches: never replayed.
 UNPREDICTABLE = "unpredictable"
@@ -126,6 +127,12 @@ def _leaf_template(leaf: Any) -> Any:
     return Opaque(type(leaf).__qualname__)
 
 
+def call_key(model: int, name: str, args: tuple, kwargs: dict) -> tuple:
+    """What a call's template is kept under: the module, its arguments' signature, and the grad
+    mode and autocast it runs under (an output requires grad, or comes out in bfloat16, by them)."""
+    return (model, name, signature((args, kwargs)), capture())
+
+
 def signature(value: Any) -> tuple:
     """A call's arguments as a hashable key: tensors by shape, dtype and requires_grad, plain values
     as they are, any other object by its type."""
@@ -199,7 +206,7 @@ class Recorder:
     def record(
         self, model: int, name: str, args: tuple, kwargs: dict, output: Any, microbatch: int = 0
     ) -> None:
-        key = (model, name, signature((args, kwargs)))
+        key = call_key(model, name, args, kwargs)
         template = OutputTemplate.of(output)
         with self._lock:
             self.calls.setdefault((model, name), {}).setdefault(microbatch, []).append(key[2])

@@ -230,6 +230,7 @@ class RankRun:
         self.base = ambient_state.capture()
         self.current: Action | None = None
         self.current_index = -1
+        self.span_start = 0.0  # where the span of the forward running now began
 
     # ================================================================ the actions
     def actions(self) -> list[Action]:
@@ -259,12 +260,14 @@ class RankRun:
     def _do(self, action: Action) -> None:
         kind = action.kind
         if kind == "F":
-            start = time.time()
+            self.span_start = time.time()
             self.report.started.append(str(action))
             self._resume(action.microbatch)
-            self.report.spans.append((action.microbatch, "forward", start, time.time()))
+            self.report.spans.append((action.microbatch, "forward", self.span_start, time.time()))
         elif kind == "B":
             if action.inline:  # the loss's backward: it ran inside the body, at model.backward
+                return
+            if action.microbatch not in self.runs:  # nothing of it is left on this rank
                 return
             start = time.time()
             self.report.started.append(str(action))
@@ -308,8 +311,6 @@ class RankRun:
         if k in self.suspend_at and run.microbatch in self.bodies:
             suspension = Suspension()
             suspension.leave(self.base)
-            body = self.bodies[run.microbatch]
-            body.suspension = suspension
             self.loop.switch()
             suspension.resume()
             self.mode.run = run
@@ -326,8 +327,10 @@ class RankRun:
 
     # ================================================================ backward
     def loss_round(self, run: MicrobatchRun, loss: torch.Tensor, grad: torch.Tensor) -> None:
-        """The loss's backward, on the rank holding the loss, at ``model.backward(loss)``."""
+        """The loss's backward, on the rank holding the loss, at ``model.backward(loss)``: its span
+        is its own, the forward's ends where it starts (and goes on after it, for the body's tail)."""
         start = time.time()
+        self.report.spans.append((run.microbatch, "forward", self.span_start, start))
         name = (
             f"B{run.microbatch}"
             if self.program is None
@@ -348,7 +351,8 @@ class RankRun:
         below = max((root.pos for root in run.roots), default=-1)
         sent = send_final_leaves(run, below, self.wire)
         run.structure.append(("loss_sent", tuple(sent)))
-        self.report.spans.append((run.microbatch, "backward", start, time.time()))
+        self.span_start = time.time()
+        self.report.spans.append((run.microbatch, "backward", start, self.span_start))
 
     def _backward_rounds(self, mb: int, rounds: tuple[int, int] | None) -> None:
         """Run rounds ``rounds`` (first, end; None: all that are left) of micro-batch ``mb``."""

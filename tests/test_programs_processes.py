@@ -147,3 +147,69 @@ def test_a_rank_that_dies_during_a_program_step_is_named_by_the_others_within_a_
     took, text = first.value
     assert took < 60, took
     assert "rank 1" in text, text
+
+
+class _Branch(torch.nn.Module):
+    """The root takes a detour through ``extra`` (on the other stage) for a rare input: the
+    program recorded without it cannot run a micro-batch that takes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8)
+        self.extra = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        if x[0, 0].item() > 5.0:
+            h = self.extra(h)
+        return self.head(h)
+
+
+def _one_replica_diverges(rank):
+    torch.manual_seed(0)
+    model = _Branch().double()
+    reference = copy.deepcopy(model)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60,
+                pin={"": 0, "first": 0, "extra": 1, "head": 1})
+    dm = smpart.DistributedModel(model)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    @smpart.step
+    def step(model, x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    seen, worst = [], 0.0
+    for i in range(6):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randint(4, (8,), generator=g)
+        if i == 3:
+            x[4, 0] = 9.0  # the first micro-batch of replica 1 takes the detour
+        mine = slice(4 * smpart.dp_rank(), 4 * smpart.dp_rank() + 4)
+        out = step(dm, x[mine], y[mine])
+        losses = []
+        for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True):
+            loss = torch.nn.functional.cross_entropy(reference(xs), ys)
+            (loss / 4).backward()
+            losses.append(loss.detach())
+        worst = max(worst, (out.stack() - torch.stack(losses)[2 * smpart.dp_rank():][:2]).abs().max().item())
+        seen.append((out.timeline.runtime, out.timeline.reason))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    full = dm.state_dict()
+    worst = max([worst] + [(full[k] - v).abs().max().item() for k, v in reference.state_dict().items()])
+    return seen, worst
+
+
+@pytest.mark.timeout(240)
+def test_a_program_that_diverges_on_one_replica_runs_again_on_the_reference_runtime_on_all():
+    for seen, worst in values(run_ranks(_one_replica_diverges, 4, timeout_s=230)):
+        assert worst <= TOL, worst
+        runtimes = [runtime for runtime, _ in seen]
+        assert runtimes == ["reference", "program", "program", "reference", "program", "program"], seen
+        assert "diverged" in seen[3][1], seen[3]

@@ -514,3 +514,35 @@ def test_checkpointing_autocast_eval_and_accumulation_run_as_programs():
     assert out.timeline.runtime == "program", out.timeline.reason
     assert seen.timeline.runtime == "program" and low.timeline.runtime == "program", (
         seen.timeline.reason, low.timeline.reason)
+
+
+class Noisy(nn.Module):
+    """The root draws noise and gives it to modules on both stages: one draw, as unsplit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 4)
+
+    def forward(self, x):
+        noise = torch.randn_like(x)
+        return self.second(torch.tanh(self.first(x + noise)) + noise)
+
+
+@pytest.mark.timeout(120)
+def test_random_numbers_the_glue_draws_are_drawn_once():
+    model = Noisy().double()
+    reference = copy.deepcopy(model)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60, pin={"": 0, "first": 0, "second": 1})
+    dm = smpart.DistributedModel(model)
+    for step in range(4):
+        x, y = batch(step)
+        torch.manual_seed(step)
+        out = classify(dm, x, y)
+        torch.manual_seed(step)
+        expected = reference_step(reference, x, y, 2)
+        assert (out.stack() - expected).abs().max() <= TOL, (step, out.timeline.runtime)
+        for p, q in zip(dm.parameters(), reference.parameters(), strict=True):
+            assert (p.grad - q.grad).abs().max() <= TOL
+            p.grad = q.grad = None
+    assert out.timeline.runtime == "program"

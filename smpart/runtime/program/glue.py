@@ -87,8 +87,6 @@ SHAPE_ONLY = frozenset(
         torch.ones_like,
         torch.empty_like,
         torch.full_like,
-        torch.rand_like,
-        torch.randn_like,
         _T.new_zeros,
         _T.new_ones,
         _T.new_empty,
@@ -96,6 +94,16 @@ SHAPE_ONLY = frozenset(
     }
 )
 
+
+#: Operations that draw random numbers: one rank draws (the reference runtime's driver, or the
+#: lowest rank holding the inputs), the others hold placeholders: a copy per rank would differ.
+RANDOM = frozenset({
+    torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like,
+    torch.randint_like, torch.normal, torch.bernoulli, _T.bernoulli, torch.multinomial, _T.multinomial,
+    torch.poisson, torch.dropout, torch.nn.functional.dropout, torch.nn.functional.dropout1d,
+    torch.nn.functional.dropout2d, torch.nn.functional.dropout3d, torch.nn.functional.alpha_dropout,
+    torch.nn.functional.feature_alpha_dropout,
+})
 
 _GRAD = _T.grad.__get__  # type: ignore[attr-defined]
 
@@ -248,6 +256,8 @@ class MicrobatchRun:
         """One torch operation of the glue. What happens depends only on what every rank knows
         alike (the operation, which ranks hold its inputs), so every rank makes the same transfers."""
         tensors = _tensors((args, kwargs))
+        if func in RANDOM:
+            return self._random(func, args, kwargs, tensors)
         if not tensors:
             return func(*args, **kwargs)
         everyone = self.rank.everyone
@@ -271,6 +281,20 @@ class MicrobatchRun:
             self.mark(out, mask)
             return out
         return self._lazy(func, args, kwargs, mask)
+
+    def _random(self, func: Any, args: tuple, kwargs: dict, tensors: list) -> Any:
+        """A random draw: by one rank, the lowest holding its inputs (others: a placeholder)."""
+        mask = self.rank.everyone
+        for t in tensors:
+            mask &= self.avail(t)
+        if mask == 0:
+            return self._lazy(func, args, kwargs, 0)
+        drawer = 1 << lowest(mask)
+        if drawer >> self.me & 1:
+            out = self._here(func, args, kwargs)
+            self.mark(out, drawer)
+            return out
+        return self._lazy(func, args, kwargs, drawer)
 
     def _here(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``func`` computed here, on the data of every placeholder in its arguments."""

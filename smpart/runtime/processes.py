@@ -218,7 +218,7 @@ class ProcessRuntime:
         if layout.dp > 1:
             self.server.on_gradients_final = self._start_gradient_sync
         if not self.is_driver:
-            self.server.on_begin = self._take_training_modes
+            self.server.on_begin = self.take_training_modes
         self.steps_taken = 0  # the next step's number; what `Leaving` tells the peers
         self.models: dict[int, DistributedModel] = {}
         self.resident_bytes: dict[int, int] = {}
@@ -364,7 +364,7 @@ class ProcessRuntime:
         return {model_id: bytes(m.training for m in model.module.modules())
                 for model_id, model in self.models.items()}
 
-    def _take_training_modes(self, begin: Any) -> None:
+    def take_training_modes(self, begin: Any) -> None:
         """A step begins: this rank's modules take the driver's rank's training modes, so that
         ``model.eval()`` called there alone (inside ``if smpart.rank() == 0:``) holds for every stage."""
         for model_id, modes in (begin.modes or {}).items():

@@ -42,6 +42,8 @@ class BeginProgram:
     #: The caller's grad mode and autocast (the step's ambient), and where to send the reports.
     ambient: Any = None
     reply_to: Any = None
+    #: Every module's train/eval flag on the first stage's rank (`ProcessRuntime.training_modes`).
+    modes: Any = None
 
 
 @dataclass(slots=True)

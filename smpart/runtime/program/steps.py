@@ -464,6 +464,7 @@ class ProcessProgramStep:
             scale,
             self.ambient,
             reports_at,
+            runtime.training_modes(),
         )
         programs.sent_to_ranks = len(programs.templates)
         if self.program is not None:
@@ -637,6 +638,7 @@ def follow(runtime: Any, begin: Any, fn: Callable, model: Any, pieces: list[tupl
     if len(pieces) != len(begin.inputs):
         raise SmpartError(f"rank {runtime.rank} split its step's arguments into {len(pieces)} micro-batches, "
                           f"the first stage's rank into {len(begin.inputs)}: every rank calls the step alike")
+    runtime.take_training_modes(begin)  # `model.eval()` on the first rank alone holds here too
     attempt = ProcessProgramStep(runtime, model, programs, decision, fn, begin.step, begin.ambient)
     attempt.follow(begin, pieces)
 

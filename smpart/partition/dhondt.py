@@ -38,3 +38,4 @@ def dhondt(weights: Sequence[float], seats: int) -> list[int]:
         allocation[i] += 1
         heapq.heappush(heap, (-float(weights[i]) / (allocation[i] + 1), i))
     return allocation
+

@@ -22,6 +22,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from smpart.config import Config
+from smpart.devices import DeviceType, as_device_type
 from smpart.errors import ConfigError, PartitionError
 from smpart.partition.result import Partition
 from smpart.runtime.calls import install, uninstall
@@ -122,7 +123,29 @@ def _trace_and_partition(model: nn.Module, args: tuple, kwargs: dict, config: Co
     real = config.trace_device == "real"
     tree = trace(model, args, kwargs, device=None if real else "meta", measure_time=real,
                  param_memory_factor=config.param_memory_factor)
-    return partition(tree, config.pipeline_parallel_degree, memory_weight=config.memory_weight, pin=pins)
+    return partition(tree, config.pipeline_parallel_degree, memory_weight=config.memory_weight, pin=pins,
+                     devices=stage_device_types(config))
+
+
+def stage_device_types(config: Config) -> list[DeviceType] | None:
+    """The device type each stage is cut for, from ``config.device_types`` (one per rank): the
+    slowest among the stage's ranks (its replicas and tensor-parallel shards); None with one stage
+    (nothing to cut) or no types."""
+    from smpart.distributed.launch import Layout
+
+    kinds, pp, tp = config.device_types, config.pipeline_parallel_degree, config.tensor_parallel_degree
+    if not kinds or pp == 1:
+        return None
+    if len(kinds) % (pp * tp):
+        raise ConfigError(f"device_types lists {len(kinds)} type(s), not a multiple of "
+                          f"pipeline_parallel_degree x tensor_parallel_degree = {pp * tp}; give one per rank")
+    layout = Layout(pp, len(kinds) // (pp * tp), tp, config.placement_strategy)
+    stages = []
+    for stage in range(pp):
+        ranks = [layout.rank_of(stage, d, t) for d in range(layout.dp) for t in range(tp)]
+        types = [as_device_type(kinds[r]) for r in ranks]
+        stages.append(min(types, key=lambda k: (k.tflops, k.memory_bytes)))
+    return stages
 
 
 def module_stages(model: nn.Module, partition: Partition) -> dict[str, int]:

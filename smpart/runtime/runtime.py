@@ -138,6 +138,10 @@ def init(config: Config | dict[str, Any] | None = None, **kwargs: Any) -> Config
         atexit.unregister(_shutdown_at_exit)
         atexit.register(_shutdown_at_exit)
         return cfg
+    if cfg.device_types and len(cfg.device_types) != cfg.pipeline_parallel_degree:
+        stages, given = cfg.pipeline_parallel_degree, len(cfg.device_types)
+        raise ConfigError(f"on threads device_types names each stage's device: give {stages} type(s), one "
+                          f"per stage, not {given}")
     if cfg.tensor_parallel_degree != 1 or (cfg.data_parallel_degree or 1) != 1 or len(
             cfg.data_parallel_shares or [1]) != 1:
         raise ConfigError("on threads (no torchrun) smpart runs pipeline parallelism only: "

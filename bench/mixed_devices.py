@@ -239,7 +239,7 @@ def report(console: Console, aware: dict, repriced: dict, torch_plan, measured: 
         a, b = aware[key], repriced[key]
         ta, tb = measured[("a", key)], measured[("b", key)]
         speedup_p, speedup_m = b.time_s / a.time_s, tb / ta
-        shares = ":".join(map(str, a.replica_sizes))
+        shares = ":".join(map(str, a.replica_sizes)) if a.dp > 1 else "-"
         table.add_row(*map(str, key), sleepers.split_of(a), shares, _ms(a.time_s),
                       _ms(ta), f"{ta / a.time_s:.2f}", sleepers.split_of(b), _ms(b.time_s), _ms(tb),
                       f"{tb / b.time_s:.2f}", f"{speedup_p:.2f}×", f"{speedup_m:.2f}×",

@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import smpart  # noqa: E402
 from bench import planner_processes as sleepers  # noqa: E402
 from bench.planner_fidelity import spearman  # noqa: E402
-from bench.processes import RankPool  # noqa: E402
+from bench.processes import RankPool, _timed, pipelining_step  # noqa: E402
 from smpart.devices import GIB, DeviceType, as_device_type  # noqa: E402
 from smpart.planner import Cluster, Node, price  # noqa: E402
 
@@ -134,22 +134,8 @@ def run_torch(rank: int, spec: tuple, microbatches: int, warmup: int, steps: int
         x = torch.randn(GLOBAL_BATCH, sleepers.D, generator=torch.Generator().manual_seed(1))
         target = torch.zeros(GLOBAL_BATCH)
 
-        def one_step() -> None:
-            if rank == 0:
-                schedule.step(x)
-            elif rank == WORLD - 1:
-                schedule.step(target=target)
-            else:
-                schedule.step()
-
-        for _ in range(warmup):
-            one_step()
-        times = []
-        for _ in range(steps):
-            dist.barrier()
-            start = time.perf_counter()
-            one_step()
-            times.append(time.perf_counter() - start)
+        dist.barrier()
+        times = _timed(lambda: pipelining_step(schedule, rank, WORLD, x, target), warmup, steps)
         dist.barrier()
         return times
     finally:

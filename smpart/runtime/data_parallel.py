@@ -263,7 +263,6 @@ class GradientReducer:
         bucket.flat = self._weighted(flat_copy([_local(p.grad) for p in taking]))
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True) if taking else None
 
-
     def _weighted(self, flat: torch.Tensor) -> torch.Tensor:
         return flat if self.weight == 1.0 else flat.mul_(self.weight)
 

@@ -76,10 +76,10 @@ def stage_table(part: Partition) -> Table:
     columns = ["stage", "modules", "compute", "memory", "params", "cost"]
     if split is not None:
         columns.insert(2, f"tp×{split.degree} split")
-    if devices is not None:
-        columns.insert(1, "device")
     if timed:
         columns.append("time")
+    if devices is not None:
+        columns.append("device")
     for column in columns:
         table.add_column(column, justify="left" if column in ("stage", "device") else "right")
     times = part.stage_times
@@ -96,10 +96,10 @@ def stage_table(part: Partition) -> Table:
         ]
         if split is not None:
             cells.insert(2, str(sum(1 for name in split.styles if part.node_stage[name] == stage)))
-        if devices is not None:
-            cells.insert(1, devices[stage])
         if timed:
             cells.append(f"{times[stage]:.3f}")
+        if devices is not None:
+            cells.append(devices[stage])
         table.add_row(*cells)
     return table
 

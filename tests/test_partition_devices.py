@@ -27,7 +27,7 @@ FAST = DeviceType("fast", 100.0, 64 * GIB)
 
 
 # ==================================================================== the segmentation
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(data=st.data(), n=st.integers(1, 7), k=st.integers(1, 4))
 def test_segmentation_on_unequal_stages_equals_brute_force(data, n: int, k: int) -> None:
     costs = data.draw(st.lists(st.integers(0, 20).map(float), min_size=n, max_size=n))
@@ -113,7 +113,7 @@ def all_sharings(n: int, m: int, costs):
     yield from extend(0, 0)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(data=st.data(), n=st.integers(1, 4), m=st.integers(1, 4))
 def test_sharing_children_over_devices_equals_brute_force(data, n: int, m: int) -> None:
     costs = data.draw(st.lists(st.integers(0, 20).map(float), min_size=n, max_size=n))
@@ -141,7 +141,7 @@ def test_packing_on_unequal_bins_moves_load_to_the_fast_bin() -> None:
     assert sorted(bins) == [0, 1, 1]  # times 4 and 4 (one unit on the slow bin, two on the fast)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(data=st.data(), k=st.integers(2, 3))
 def test_loop_units_on_unequal_stages_are_placed_optimally(data, k: int) -> None:
     ordered = data.draw(st.lists(st.integers(1, 9).map(float), min_size=k, max_size=4))
@@ -174,7 +174,7 @@ def stage_times(part: Partition) -> list[float]:
     return [c / v for c, v in zip(part.stage_compute, part.stage_speeds, strict=True)]
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(costs=st.lists(st.integers(1, 30), min_size=4, max_size=8), own=st.integers(0, 10),
        kinds=st.lists(st.sampled_from([SLOW, FAST]), min_size=2, max_size=4))
 def test_partition_on_unequal_devices_is_optimal_on_a_sequence(costs: list[int], own: int, kinds) -> None:
@@ -192,7 +192,7 @@ def test_partition_on_unequal_devices_is_optimal_on_a_sequence(costs: list[int],
     assert all(part.modules_on(s) for s in range(k))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), size=st.integers(4, 30),
        kinds=st.lists(st.sampled_from([SLOW, FAST]), min_size=2, max_size=4))
 def test_partition_on_unequal_devices_never_worse_than_cutting_the_root(seed: int, size: int, kinds) -> None:

@@ -124,9 +124,10 @@ def plan(
 
 def price(plan: Plan, cluster: Cluster, options: CostOptions | None = None, **cost_options: object) -> Plan:
     """``plan`` as it would run on ``cluster``: the same degrees, micro-batches, stage boundaries,
-    activation checkpointing and replica batch sizes, on the devices of ``cluster`` numbered
-    alike (rank ``r`` of the plan on device ``r``). What a plan made for other devices, say made
-    believing them identical, costs on the devices it really runs on."""
+    activation checkpointing and replica batch sizes, each of the plan's devices replaced by the
+    device of ``cluster`` with the same number (`Device.rank`, counted node by node). What a plan
+    made for other devices, say made believing them identical, costs on the devices it really
+    runs on."""
     if cluster.num_devices != len(plan.rank_devices):
         raise PlanError(f"the plan runs on {len(plan.rank_devices)} devices, the cluster has "
                         f"{cluster.num_devices}")

@@ -39,6 +39,10 @@ failed), so no replica steps its optimizer on gradients the others do not have. 
 step failed before its first model call holds none of the stage's parameters yet, so its flags
 would not match the others' in size: a fixed-size all-reduce of the sizes goes first, and
 replicas that differ pair nothing more than it.
+
+**Replicas with batch shares** (`smpart.runtime.shares`) weigh their gradients by samples: each
+replica multiplies what it all-reduces (the buckets and the late correction) by ``weight`` =
+``dp · its samples / all samples``, so the mean is that of one process on the global batch.
 """
 
 from __future__ import annotations
@@ -78,8 +82,10 @@ class GradientReducer:
     """Averages one stage's gradients over its dp group, step after step (see the module docstring)."""
 
     def __init__(self, params: list[nn.Parameter], group: Any, control_group: Any, size: int,
-                 bucket_bytes: int | None = None, replica: int = 0) -> None:
+                 bucket_bytes: int | None = None, replica: int = 0, weight: float = 1.0) -> None:
         self.group, self.control_group, self.size = group, control_group, size
+        #: This replica's gradients enter the mean multiplied by it (its share of the samples × dp).
+        self.weight = weight
         self.params = params
         by_size = buckets(list(reversed(params)), bucket_bytes or BUCKET_BYTES)
         self.buckets = [_Bucket(i, b) for i, b in enumerate(by_size)]
@@ -150,7 +156,7 @@ class GradientReducer:
             self.corrected = len(late_anywhere)
             if late_anywhere:
                 extra = [self._late.get(id(p), torch.zeros_like(_local(p))) for p in late_anywhere]
-                flat = flat_copy(extra)
+                flat = self._weighted(flat_copy(extra))
                 work = dist.all_reduce(flat, group=self.group, async_op=True)
                 self._correction = (late_anywhere, flat, work)
 
@@ -254,8 +260,11 @@ class GradientReducer:
         for p in taking:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        bucket.flat = flat_copy([_local(p.grad) for p in taking])
+        bucket.flat = self._weighted(flat_copy([_local(p.grad) for p in taking]))
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True) if taking else None
+
+    def _weighted(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat if self.weight == 1.0 else flat.mul_(self.weight)
 
 
 def stage_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:

@@ -262,10 +262,11 @@ def _loss_scaler(static_loss_scale: float | None, dynamic: bool, args: dict[str,
     if unused:
         say_once("dynamic_loss_args", f"dynamic_loss_args {unused} have no equivalent in torch's GradScaler "
                  "and are not used")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     if not dynamic:
-        return GradScaler(init_scale=float(static_loss_scale or 1.0))
+        return GradScaler(device, init_scale=float(static_loss_scale or 1.0))
     factor = float(args.get("scale_factor", 2.0))
-    return GradScaler(init_scale=float(args.get("init_scale", 2.0 ** 32)), growth_factor=factor,
+    return GradScaler(device, init_scale=float(args.get("init_scale", 2.0 ** 32)), growth_factor=factor,
                       backoff_factor=1.0 / factor, growth_interval=int(args.get("scale_window", 1000)))
 
 

@@ -1,0 +1,85 @@
+"""SMP-style scripts (`tests/smp_scripts`) under ``torchrun``: one process per rank, against the
+unsplit model trained by hand on the same global batches (`tests.test_smp`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launch import free_port, run_ranks, values
+
+pytest.importorskip("transformers")
+from tests.test_smp import assert_state_close, gpt2_reference, mnist_reference  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _mnist(rank: int, config: dict) -> dict:
+    from tests.smp_scripts import mnist
+
+    out = mnist.main(["--smp", json.dumps(config)])
+    return {"losses": out["losses"], "state": out["state"] if rank == 0 else None}
+
+
+def _gpt2(rank: int, config: dict, argv: list[str]) -> dict:
+    from tests.smp_scripts import gpt2_simple
+
+    out = gpt2_simple.main(["--smp", json.dumps(config), *argv])
+    return {"losses": out["losses"], "val_losses": out["val_losses"], "state": out["state"] if rank == 0 else None}
+
+
+@pytest.mark.timeout(200)
+def test_the_mnist_script_on_two_stages_times_two_replicas_matches_the_unsplit_model():
+    results = values(run_ranks(_mnist, 4, {"partitions": 2, "microbatches": 2, "ddp": True}, timeout_s=180))
+    losses, state = mnist_reference(4, 8, 2)
+    for step, loss in enumerate(losses):  # each replica's loss is the mean over its half
+        assert sum(results[0]["losses"][step]) / 2 == pytest.approx(loss, abs=1e-5)
+    assert_state_close(results[0]["state"], state)
+
+
+@pytest.mark.timeout(200)
+def test_the_mnist_script_under_torchrun_with_sagemakers_environment_variable():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           "SM_HP_MP_PARAMETERS": json.dumps({"partitions": 2, "microbatches": 2})}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), "-m", "tests.smp_scripts.mnist"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    printed = json.loads(done.stdout.strip().splitlines()[-1])
+    losses, _ = mnist_reference(4, 8, 1)
+    assert [r[0] for r in printed["losses"]] == pytest.approx(losses, abs=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_the_gpt2_script_with_tensor_parallelism_gathers_the_groups_batches(tmp_path):
+    """tp 2 without prescaled_batch: each tp rank reads its own examples (dp_rank counts them) and
+    the step trains on both ranks' together, as SMP's distributed layers did; a checkpoint saved
+    there resumes on threads, one stage, unsplit."""
+    argv = ["--max_steps", "4", "--checkpoint_freq", "2", "--checkpoint-dir", str(tmp_path)]
+    results = values(run_ranks(_gpt2, 2, {"tensor_parallel_degree": 2, "ddp": True}, argv, timeout_s=280))
+    losses, val_losses, state = gpt2_reference(4, 4, 2)
+    assert results[0]["losses"] == results[1]["losses"]
+    assert [r[0] for r in results[0]["losses"]] == pytest.approx(losses, abs=1e-4)
+    assert results[0]["val_losses"] == pytest.approx(val_losses, abs=1e-4)
+    assert_state_close(results[0]["state"], state)
+
+
+@pytest.mark.timeout(300)
+def test_the_gpt2_script_on_two_stages_times_two_replicas_resumes_with_another_schedule(tmp_path):
+    """3 steps with a checkpoint at the third, then a new job resumes from the newest checkpoint
+    with another schedule and micro-batch count: the 6 steps equal the unsplit model's."""
+    config = {"partitions": 2, "microbatches": 2, "ddp": True}
+    first = values(run_ranks(_gpt2, 4, config, ["--max_steps", "3", "--checkpoint_freq", "3", "--checkpoint-dir",
+                                                 str(tmp_path)], timeout_s=280))
+    resumed = values(run_ranks(_gpt2, 4, {**config, "microbatches": 4, "pipeline": "simple"},
+                               ["--checkpoint-dir", str(tmp_path), "--load_partial", "1"], timeout_s=280))
+    losses, val_losses, state = gpt2_reference(6, 4, 2)
+    both = [sum(r) / 2 for r in first[0]["losses"] + resumed[0]["losses"]]
+    assert both == pytest.approx(losses, abs=1e-4)
+    assert first[0]["val_losses"] + resumed[0]["val_losses"] == pytest.approx(val_losses, abs=1e-4)
+    assert_state_close(resumed[0]["state"], state)

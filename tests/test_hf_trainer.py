@@ -35,8 +35,9 @@ def make_model(kind: str) -> torch.nn.Module:
         config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=4, n_head=4,
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
         return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=SEQ,
                                       use_cache=False)
     return transformers.LlamaForCausalLM(config)
 
@@ -83,7 +84,8 @@ def test_a_run_resumed_from_its_step_5_checkpoint_equals_the_uninterrupted_one(t
     assert (tmp_path / "whole" / "checkpoint-5" / "smpart" / ".smpart_complete").exists()
     assert (tmp_path / "whole" / "checkpoint-5" / "model.safetensors").exists()
     smpart.init(pipeline_parallel_degree=2, microbatches=4, pipeline="simple")
-    resumed = train("gpt2", str(tmp_path / "resumed"), split=True, resume=str(tmp_path / "whole" / "checkpoint-5"))
+    checkpoint = str(tmp_path / "whole" / "checkpoint-5")
+    resumed = train("gpt2", str(tmp_path / "resumed"), split=True, resume=checkpoint)
     # the log holds the checkpoint's 5 steps (its trainer state), then the 5 the resumed run took
     assert len(resumed["losses"]) == 10
     assert_same_training(resumed, whole, 1e-5)
@@ -94,8 +96,8 @@ def test_bf16_trains_under_autocast_on_every_stage(tmp_path):
     smpart.init(pipeline_parallel_degree=2, microbatches=2)
     got = train("gpt2", str(tmp_path / "split"), split=True, bf16=True, max_steps=4)
     assert got["losses"] == pytest.approx(expected["losses"], abs=3e-2)
-    assert got["losses"] != pytest.approx(train("gpt2", str(tmp_path / "fp32"), split=True, max_steps=4)["losses"],
-                                          abs=1e-6)  # bf16 did change the arithmetic
+    fp32 = train("gpt2", str(tmp_path / "fp32"), split=True, max_steps=4)["losses"]
+    assert got["losses"] != pytest.approx(fp32, abs=1e-6)  # bf16 did change the arithmetic
 
 
 def _on_ranks(rank: int, kind: str, output_dir: str, dp: int) -> dict:

@@ -37,10 +37,12 @@ def mnist_reference(steps: int, batch: int, dp: int, lr: float = 0.5) -> tuple[l
     return losses, model.state_dict()
 
 
-def gpt2_reference(steps: int, batch: int, dp: int, accumulation: int = 1) -> tuple[list[float], list[float], dict]:
+def gpt2_reference(steps: int, batch: int, dp: int,
+                   accumulation: int = 1) -> tuple[list[float], list[float], dict]:
     transformers.set_seed(12345)
     model = transformers.GPT2LMHeadModel(gpt2_simple.model_config())
-    optimizer = torch.optim.AdamW(gpt2_simple.get_param_groups_by_weight_decay(model), lr=3e-3, weight_decay=0.01)
+    groups = gpt2_simple.get_param_groups_by_weight_decay(model)
+    optimizer = torch.optim.AdamW(groups, lr=3e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / math.sqrt(step + 1))
     train = gpt2_simple.sequences(0, batch * dp * steps * accumulation)
     validation = gpt2_simple.sequences(1, 8 * dp)
@@ -60,7 +62,8 @@ def gpt2_reference(steps: int, batch: int, dp: int, accumulation: int = 1) -> tu
                 per_replica = []
                 for r in range(dp):
                     shard = validation[r::dp]
-                    means = [model(input_ids=shard[i:i + 4], labels=shard[i:i + 4]).loss for i in range(0, 8, 4)]
+                    means = [model(input_ids=shard[i:i + 4], labels=shard[i:i + 4]).loss
+                             for i in range(0, 8, 4)]
                     per_replica.append(sum(means) / len(means))
                 val_losses.append((sum(per_replica) / dp).item())
     return losses, val_losses, model.state_dict()
@@ -100,8 +103,8 @@ def test_the_gpt2_script_resumed_from_its_checkpoint_equals_the_uninterrupted_ru
 
 
 def test_init_reads_the_configuration_where_sagemaker_put_it(monkeypatch):
-    monkeypatch.setenv("SM_HP_MP_PARAMETERS", json.dumps({"partitions": 2, "microbatches": 4, "optimize": "speed",
-                                                          "pipeline": "simple", "ddp": True}))
+    config = {"partitions": 2, "microbatches": 4, "optimize": "speed", "pipeline": "simple", "ddp": True}
+    monkeypatch.setenv("SM_HP_MP_PARAMETERS", json.dumps(config))
     cfg = smp.init()
     assert (cfg.pipeline_parallel_degree, cfg.partitions, smp.state.cfg.microbatches) == (2, 2, 4)
     running = smpart.runtime.runtime.current_runtime().config
@@ -140,7 +143,8 @@ def test_settings_and_arguments_without_effect_are_said_once():
 
 
 def test_names_that_need_sagemaker_are_refused_with_the_replacement():
-    for name, match in (("tp_register", "register_attention_adapter"), ("checkpoint", "set_activation_checkpointing")):
+    for name, match in (("tp_register", "register_attention_adapter"),
+                        ("checkpoint", "set_activation_checkpointing")):
         with pytest.raises(SmpartError, match=match):
             getattr(smp, name)
     with pytest.raises(SmpartError, match="apex"):
@@ -165,7 +169,8 @@ class Halves:
 
 def test_a_step_returns_step_outputs_inside_its_structures_and_splits_custom_objects():
     smp.init({"partitions": 2, "microbatches": 2})
-    model = smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)))
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    model = smp.DistributedModel(net)
 
     @smp.step(non_split_inputs=["weight"])
     def step(model, batch, weight):
@@ -176,7 +181,8 @@ def test_a_step_returns_step_outputs_inside_its_structures_and_splits_custom_obj
     got = step(model, Halves(x), torch.tensor([1.0, 2.0, 3.0]))
     assert isinstance(got["out"], smp.StepOutput) and len(got["out"].outputs) == 2
     assert torch.allclose(got["out"].concat(), model.module(x), atol=1e-6)
-    assert torch.allclose(got["scaled"][0].concat(), model.module(x) * torch.tensor([1.0, 2.0, 3.0]), atol=1e-6)
+    weighted = model.module(x) * torch.tensor([1.0, 2.0, 3.0])
+    assert torch.allclose(got["scaled"][0].concat(), weighted, atol=1e-6)
     assert got["rows"] == [3, 3] and got["tag"] == ["x", "x"]
 
 

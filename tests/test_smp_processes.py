@@ -30,7 +30,8 @@ def _gpt2(rank: int, config: dict, argv: list[str]) -> dict:
     from tests.smp_scripts import gpt2_simple
 
     out = gpt2_simple.main(["--smp", json.dumps(config), *argv])
-    return {"losses": out["losses"], "val_losses": out["val_losses"], "state": out["state"] if rank == 0 else None}
+    return {"losses": out["losses"], "val_losses": out["val_losses"],
+            "state": out["state"] if rank == 0 else None}
 
 
 @pytest.mark.timeout(200)
@@ -74,8 +75,8 @@ def test_the_gpt2_script_on_two_stages_times_two_replicas_resumes_with_another_s
     """3 steps with a checkpoint at the third, then a new job resumes from the newest checkpoint
     with another schedule and micro-batch count: the 6 steps equal the unsplit model's."""
     config = {"partitions": 2, "microbatches": 2, "ddp": True}
-    first = values(run_ranks(_gpt2, 4, config, ["--max_steps", "3", "--checkpoint_freq", "3", "--checkpoint-dir",
-                                                 str(tmp_path)], timeout_s=280))
+    argv = ["--max_steps", "3", "--checkpoint_freq", "3", "--checkpoint-dir", str(tmp_path)]
+    first = values(run_ranks(_gpt2, 4, config, argv, timeout_s=280))
     resumed = values(run_ranks(_gpt2, 4, {**config, "microbatches": 4, "pipeline": "simple"},
                                ["--checkpoint-dir", str(tmp_path), "--load_partial", "1"], timeout_s=280))
     losses, val_losses, state = gpt2_reference(6, 4, 2)

@@ -77,7 +77,8 @@ def eval_model(model, data: torch.Tensor, batch_size: int) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--smp", default=None, help="SMP's configuration (JSON); default: SM_HP_MP_PARAMETERS")
+    parser.add_argument("--smp", default=None,
+                        help="SMP's configuration (JSON); default: SM_HP_MP_PARAMETERS")
     parser.add_argument("--train_batch_size", type=int, default=4, help="per dp rank")
     parser.add_argument("--max_steps", type=int, default=6)
     parser.add_argument("--gradient_accumulation", type=int, default=1)
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
     transformers.set_seed(12345)
     with smp.model_creation(tensor_parallelism=smp.tp_size() > 1, dtype=torch.get_default_dtype()):
         model = transformers.GPT2LMHeadModel(model_config())
-    model = smp.DistributedModel(model, trace_device="gpu", backward_passes_per_step=args.gradient_accumulation)
+    model = smp.DistributedModel(model, trace_device="gpu",
+                                 backward_passes_per_step=args.gradient_accumulation)
     optimizer = torch.optim.AdamW(get_param_groups_by_weight_decay(model.get_module()), lr=args.lr,
                                   weight_decay=0.01)
     optimizer = smp.DistributedOptimizer(optimizer)
@@ -133,8 +135,9 @@ def main(argv: list[str] | None = None) -> dict:
         if args.checkpoint_freq and total_steps % args.checkpoint_freq == 0:
             user_content = {"total_steps": total_steps, "model_config": model_config(),
                             "lr_scheduler": lr_scheduler.state_dict()}
-            smp.save_checkpoint(args.checkpoint_dir, tag=f"total_steps{total_steps}", partial=True, model=model,
-                                optimizer=optimizer, user_content=user_content, num_kept_partial_checkpoints=2)
+            smp.save_checkpoint(args.checkpoint_dir, tag=f"total_steps{total_steps}", partial=True,
+                                model=model, optimizer=optimizer, user_content=user_content,
+                                num_kept_partial_checkpoints=2)
     state = model.state_dict()
     smp.barrier()
     return {"losses": losses, "val_losses": val_losses, "state": state}

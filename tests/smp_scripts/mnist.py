@@ -65,7 +65,8 @@ def test_step(model, data, target):
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--smp", default=None, help="SMP's configuration (JSON); default: SM_HP_MP_PARAMETERS")
+    parser.add_argument("--smp", default=None,
+                        help="SMP's configuration (JSON); default: SM_HP_MP_PARAMETERS")
     parser.add_argument("--batch-size", type=int, default=8, help="per data-parallel rank")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--lr", type=float, default=0.5)

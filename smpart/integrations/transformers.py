@@ -5,7 +5,7 @@ place of ``from transformers import Trainer``, and ``smpart.init(...)`` before t
 made (on threads, or on every rank under ``torchrun``). The subclass takes the same arguments and
 covers what the ``Trainer``'s own SageMaker model-parallel path covered:
 
-- **the model** is wrapped in an `smpart.DistributedModel` (`_wrap_model`), split at its first step;
+- **the model** is wrapped in an `DistributedModel` (`_wrap_model`), split at its first step;
 - **training** runs each batch through an ``@smpart.step`` over micro-batches: the ``Trainer``'s own
   ``compute_loss`` (a subclass's too) under its autocast, then ``model.backward``. A loss normalised
   by the number of label tokens (``num_items_in_batch``) is a sum over tokens, so its micro-batch
@@ -16,7 +16,7 @@ covers what the ``Trainer``'s own SageMaker model-parallel path covered:
 - **batches** are sharded by data-parallel rank (every stage and tensor-parallel rank of a replica
   reads the same batch): each replica takes its slice of a global batch of ``per_device_batch x dp``
   drawn as a one-process ``Trainer`` draws it, so the same global batch trains the same model;
-- **the optimizer** is an `smpart.DistributedOptimizer` (it steps the parameters placement put in
+- **the optimizer** is an `DistributedOptimizer` (it steps the parameters placement put in
   place, tensor-parallel shards included), the scheduler steps it; **clipping** is over the whole
   model (`DistributedOptimizer.clip_grad_norm_`);
 - **checkpoints** (``save_steps``, ``resume_from_checkpoint``) hold the model and the optimizer as an
@@ -40,8 +40,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import smpart
 from smpart.errors import SmpartError
+from smpart.runtime import DistributedModel, DistributedOptimizer, dp_rank, dp_size, get_dp_group, step
+from smpart.runtime.grad_scaler import GradScaler
 from smpart.runtime.runtime import current_runtime, running_runtime
 
 try:
@@ -65,40 +66,40 @@ class Trainer(transformers.Trainer):
                               "smpart.init(...) configured it: call "
                               "smpart.init(pipeline_parallel_degree=..., microbatches=...) before making the "
                               "Trainer")
-        self._split_model: smpart.DistributedModel | None = None
+        self._split_model: DistributedModel | None = None
         super().__init__(*args, **kwargs)
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:  # fp16: every rank must agree on the scale and on skipping a step
-            self.accelerator.scaler = smpart.amp.GradScaler(
+            self.accelerator.scaler = GradScaler(
                 scaler._device, init_scale=scaler._init_scale, growth_factor=scaler.get_growth_factor(),
                 backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval())
-        self._train_step = smpart.step(self._train_body, non_split_inputs=["num_items_in_batch"])
-        self._predict_step = smpart.step(self._predict_body, non_split_inputs=["num_items_in_batch"])
+        self._train_step = step(self._train_body, non_split_inputs=["num_items_in_batch"])
+        self._predict_step = step(self._predict_body, non_split_inputs=["num_items_in_batch"])
 
     # ================================================================== the model and optimizer
     def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
-        if isinstance(model, smpart.DistributedModel):
+        if isinstance(model, DistributedModel):
             return model
         if self._split_model is None or self._split_model.module is not self.model:
-            self._split_model = smpart.DistributedModel(self.model)
+            self._split_model = DistributedModel(self.model)
         return self._split_model
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         super().create_optimizer(model)
-        if not isinstance(self.optimizer, smpart.DistributedOptimizer):
-            self.optimizer = smpart.DistributedOptimizer(self.optimizer)
+        if not isinstance(self.optimizer, DistributedOptimizer):
+            self.optimizer = DistributedOptimizer(self.optimizer)
         return self.optimizer
 
-    def _distributed_optimizer(self) -> smpart.DistributedOptimizer:
+    def _distributed_optimizer(self) -> DistributedOptimizer:
         optimizer = self.optimizer
-        while not isinstance(optimizer, smpart.DistributedOptimizer):  # accelerate wraps it
+        while not isinstance(optimizer, DistributedOptimizer):  # accelerate wraps it
             optimizer = optimizer.optimizer
         return optimizer
 
     def get_tp_size(self) -> int:
         """Processes that read one batch: a replica's stages and tensor-parallel ranks. The
         ``Trainer`` divides its token counts and scales its losses by it, as for its own TP."""
-        return max(self.args.world_size // smpart.dp_size(), 1)
+        return max(self.args.world_size // dp_size(), 1)
 
     # ================================================================== training
     def training_step(self, model: Any, inputs: dict[str, Any],
@@ -203,7 +204,7 @@ class Trainer(transformers.Trainer):
         pass
 
     def _gather_replicas(self, tensors: Any, **_: Any) -> Any:
-        group = smpart.get_dp_group()
+        group = get_dp_group()
         if group is not None:
             every: list[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(every, _to_cpu(tensors), group=group)
@@ -219,7 +220,7 @@ class Trainer(transformers.Trainer):
         """The ``Trainer``'s loader of the global batch (``batch_size`` x replicas), each replica
         taking its slice of every batch."""
         with self._loaders_split_by_replica():
-            return super()._get_dataloader(dataset, description, batch_size * smpart.dp_size(), sampler_fn,
+            return super()._get_dataloader(dataset, description, batch_size * dp_size(), sampler_fn,
                                            is_training, dataloader_key)
 
     @contextlib.contextmanager
@@ -231,8 +232,8 @@ class Trainer(transformers.Trainer):
         def prepare(data_loader: Any, device_placement: Any = None, slice_fn_for_dispatch: Any = None) -> Any:
             placed = accelerator.device_placement if device_placement is None else device_placement
             prepared = prepare_data_loader(
-                data_loader, accelerator.device, num_processes=smpart.dp_size(),
-                process_index=smpart.dp_rank(), split_batches=True, put_on_device=placed,
+                data_loader, accelerator.device, num_processes=dp_size(),
+                process_index=dp_rank(), split_batches=True, put_on_device=placed,
                 rng_types=accelerator.rng_types.copy(), dispatch_batches=False,
                 even_batches=accelerator.even_batches, use_seedable_sampler=accelerator.use_seedable_sampler,
                 data_seed=accelerator.dataloader_config.data_seed, non_blocking=accelerator.non_blocking,
@@ -257,7 +258,9 @@ class Trainer(transformers.Trainer):
             self._save(output_dir, state_dict=state_dict)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        smpart.save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), self._split_model,
+        from smpart.checkpoint import save_checkpoint
+
+        save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), self._split_model,
                                self._distributed_optimizer())
         if self.args.should_save:
             with warnings.catch_warnings():
@@ -272,7 +275,9 @@ class Trainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not os.path.isdir(os.path.join(checkpoint, CHECKPOINT_DIR)):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        smpart.load_checkpoint(os.path.join(checkpoint, CHECKPOINT_DIR), self._wrap_model(self.model),
+        from smpart.checkpoint import load_checkpoint
+
+        load_checkpoint(os.path.join(checkpoint, CHECKPOINT_DIR), self._wrap_model(self.model),
                                self._distributed_optimizer(), restore_rng=False)  # the Trainer restores RNG
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

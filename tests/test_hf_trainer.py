@@ -54,7 +54,7 @@ def train(kind: str, output_dir: str, dp: int = 1, split: bool = False, max_step
         max_steps=max_steps, learning_rate=3e-3, logging_steps=1, report_to=[], seed=7, use_cpu=True,
         disable_tqdm=True, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         per_device_eval_batch_size=8 // dp, bf16=bf16, max_grad_norm=0.5)
-    trainer = Trainer(model=make_model(kind), args=args, train_dataset=Sequences(320, 0),
+    trainer = Trainer(model=make_model(kind), args=args, train_dataset=Sequences(160, 0),
                       eval_dataset=Sequences(16, 1))
     trainer.train(resume_from_checkpoint=resume)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -92,12 +92,14 @@ def test_a_run_resumed_from_its_step_5_checkpoint_equals_the_uninterrupted_one(t
 
 
 def test_bf16_trains_under_autocast_on_every_stage(tmp_path):
-    expected = train("gpt2", str(tmp_path / "plain"), bf16=True, max_steps=4)
+    expected = train("gpt2", str(tmp_path / "plain"), bf16=True, max_steps=3)["losses"]
+    fp32 = train("gpt2", str(tmp_path / "fp32"), max_steps=3)["losses"]
     smpart.init(pipeline_parallel_degree=2, microbatches=2)
-    got = train("gpt2", str(tmp_path / "split"), split=True, bf16=True, max_steps=4)
-    assert got["losses"] == pytest.approx(expected["losses"], abs=3e-2)
-    fp32 = train("gpt2", str(tmp_path / "fp32"), split=True, max_steps=4)["losses"]
-    assert got["losses"] != pytest.approx(fp32, abs=1e-6)  # bf16 did change the arithmetic
+    got = train("gpt2", str(tmp_path / "split"), split=True, bf16=True, max_steps=3)["losses"]
+    # The first step's forward is the plain Trainer's under bf16 autocast (1e-5 from its float32
+    # one here); after that, micro-batches round bf16 gradients otherwise than whole batches.
+    assert got[0] == pytest.approx(expected[0], abs=2e-6) and abs(fp32[0] - expected[0]) > 5e-6
+    assert got == pytest.approx(expected, abs=1e-3)
 
 
 def _on_ranks(rank: int, kind: str, output_dir: str, dp: int) -> dict:

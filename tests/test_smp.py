@@ -214,6 +214,30 @@ def test_manual_partitions_from_smp_partition_blocks_and_set_partition():
     assert [model.partition.stage_of(n) for n in "abcd"] == [0, 1, 0, 0]
 
 
+def test_summed_micro_batches_and_a_post_partition_hook():
+    smp.init({"partitions": 2, "microbatches": 2})
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    reference.load_state_dict(net.state_dict())
+    model = smp.DistributedModel(net, average_grads_across_microbatches=False)
+    called = []
+    model.register_post_partition_hook(lambda m, opt: called.append((m.partitioned, opt)))
+
+    @smp.step
+    def train(model, x):
+        loss = model(x).sum()  # a sum over the batch: micro-batch gradients must add up
+        model.backward(loss)
+        return loss
+
+    x = torch.randn(6, 4)
+    train(model, x)
+    reference(x).sum().backward()
+    assert called == [(True, None)]
+    for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(got.grad, expected.grad, atol=1e-5)
+
+
 def test_groups_and_object_collectives_of_one_process():
     smp.init({"partitions": 2})
     assert smp.get_mp_group() == [0] and smp.get_dp_group() == [0] and smp.local_size() == 1

@@ -23,7 +23,30 @@ def _mnist(rank: int, config: dict) -> dict:
     from tests.smp_scripts import mnist
 
     out = mnist.main(["--smp", json.dumps(config)])
-    return {"losses": out["losses"], "state": out["state"] if rank == 0 else None}
+    return {"losses": out["losses"], "state": out["state"] if rank == 0 else None, "groups": _groups(rank)}
+
+
+def _groups(rank: int) -> dict:
+    """What SMP's rank helpers, groups and object collectives say on this rank (after smp.init)."""
+    import torch
+    import torch.distributed as dist
+
+    import smpart.smp as smp
+
+    if smp.pp_rank() == 0:
+        smp.broadcast(f"from {rank}", smp.PP_GROUP)
+        got = None
+    else:
+        got = smp.recv_from(0, smp.PP_RANK)
+    if smp.dp_rank() == 0:
+        smp.send({"to": "dp 1"}, 1, smp.DP_RANK)
+    else:
+        got = (got, smp.recv_from(0, smp.RankType.DP_RANK))
+    total = torch.tensor(float(rank))
+    dist.all_reduce(total, group=smp.get_mp_process_group())
+    return {"ranks": (smp.pp_rank(), smp.dp_rank(), smp.rdp_rank(), smp.mp_rank(), smp.tp_rank()),
+            "groups": (smp.get_pp_group(), smp.get_dp_group(), smp.get_mp_group(), smp.get_tp_group()),
+            "got": got, "mp_sum": total.item(), "all": smp.allgather(rank, smp.WORLD)}
 
 
 def _gpt2(rank: int, config: dict, argv: list[str]) -> dict:
@@ -38,6 +61,12 @@ def _gpt2(rank: int, config: dict, argv: list[str]) -> dict:
 def test_the_mnist_script_on_two_stages_times_two_replicas_matches_the_unsplit_model():
     results = values(run_ranks(_mnist, 4, {"partitions": 2, "microbatches": 2, "ddp": True}, timeout_s=180))
     losses, state = mnist_reference(4, 8, 2)
+    # the cluster placement: ranks 0, 1 hold stage 0 of replicas 0, 1; ranks 2, 3 stage 1
+    seen = [r["groups"] for r in results]
+    assert [s["ranks"] for s in seen] == [(0, 0, 0, 0, 0), (0, 1, 1, 0, 0), (1, 0, 0, 1, 0), (1, 1, 1, 1, 0)]
+    assert [s["groups"] for s in seen][0] == ([0, 2], [0, 1], [0, 2], [0])
+    assert [s["got"] for s in seen] == [None, (None, {"to": "dp 1"}), "from 0", ("from 1", {"to": "dp 1"})]
+    assert [s["mp_sum"] for s in seen] == [2.0, 4.0, 2.0, 4.0] and seen[3]["all"] == [0, 1, 2, 3]
     for step, loss in enumerate(losses):  # each replica's loss is the mean over its half
         assert sum(results[0]["losses"][step]) / 2 == pytest.approx(loss, abs=1e-5)
     assert_state_close(results[0]["state"], state)

@@ -7,6 +7,7 @@ and methods. SMP let a script wrap one model and one optimizer; the last ones ma
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
@@ -79,7 +80,8 @@ class DistributedModel(runtime_api.DistributedModel):
         _average_over_microbatches(average_grads_across_microbatches)
         _master_weights_in_float32(module)
         _apply_partition_contexts(module)
-        self._post_partition_hooks: dict[int, Callable[..., Any]] = {}
+        #: RemovableHandle keeps its dict by weak reference, which a plain dict refuses
+        self._post_partition_hooks: collections.OrderedDict[int, Callable] = collections.OrderedDict()
         state.model = self
 
     # ------------------------------------------------------------------ SMP's additions

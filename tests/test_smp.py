@@ -246,7 +246,10 @@ def test_groups_and_object_collectives_of_one_process():
     assert smp.recv_from(0, smp.WORLD_RANK) == "hello"
     smp.barrier(smp.MP_GROUP)
     loss = torch.tensor(2.0)  # a script's evaluation all-reduce runs unchanged on one process
-    torch.distributed.all_reduce(loss, group=smp.get_dp_process_group())
+    try:
+        torch.distributed.all_reduce(loss, group=smp.get_dp_process_group())
+    finally:
+        torch.distributed.destroy_process_group()  # the one-process group: not left to later tests
     assert loss.item() == 2.0
 
 

@@ -20,6 +20,15 @@ transformers = pytest.importorskip("transformers")
 from tests.smp_scripts import gpt2_simple  # noqa: E402 - needs transformers
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """On threads, a script that asks for a process group starts torch.distributed over this one
+    process (`smpart.smp.groups`); it goes with the test, not on to the next ones."""
+    yield
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1:
+        torch.distributed.destroy_process_group()
+
+
 def mnist_reference(steps: int, batch: int, dp: int, lr: float = 0.5) -> tuple[list[float], dict]:
     """The unsplit Net on one process, on the global batch every step (``batch`` x ``dp``)."""
     torch.manual_seed(1)
@@ -246,10 +255,7 @@ def test_groups_and_object_collectives_of_one_process():
     assert smp.recv_from(0, smp.WORLD_RANK) == "hello"
     smp.barrier(smp.MP_GROUP)
     loss = torch.tensor(2.0)  # a script's evaluation all-reduce runs unchanged on one process
-    try:
-        torch.distributed.all_reduce(loss, group=smp.get_dp_process_group())
-    finally:
-        torch.distributed.destroy_process_group()  # the one-process group: not left to later tests
+    torch.distributed.all_reduce(loss, group=smp.get_dp_process_group())
     assert loss.item() == 2.0
 
 

@@ -14,7 +14,7 @@ import pytest
 from tests.launch import free_port, run_ranks, values
 
 pytest.importorskip("transformers")
-from tests.test_smp import assert_state_close, gpt2_reference, mnist_reference  # noqa: E402
+from tests.test_smp import assert_state_close, by_value, gpt2_reference, mnist_reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,8 @@ def _mnist(rank: int, config: dict) -> dict:
     from tests.smp_scripts import mnist
 
     out = mnist.main(["--smp", json.dumps(config)])
-    return {"losses": out["losses"], "state": out["state"] if rank == 0 else None, "groups": _groups(rank)}
+    return {"losses": out["losses"], "state": by_value(out["state"]) if rank == 0 else None,
+            "groups": _groups(rank)}
 
 
 def _groups(rank: int) -> dict:
@@ -54,7 +55,7 @@ def _gpt2(rank: int, config: dict, argv: list[str]) -> dict:
 
     out = gpt2_simple.main(["--smp", json.dumps(config), *argv])
     return {"losses": out["losses"], "val_losses": out["val_losses"],
-            "state": out["state"] if rank == 0 else None}
+            "state": by_value(out["state"]) if rank == 0 else None}
 
 
 @pytest.mark.timeout(200)

@@ -32,11 +32,11 @@ class Sequences(torch.utils.data.Dataset):
 def make_model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=4, n_head=4,
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
         return transformers.GPT2LMHeadModel(config)
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       max_position_embeddings=SEQ,
                                       use_cache=False)
     return transformers.LlamaForCausalLM(config)

@@ -92,7 +92,7 @@ def init(config: dict[str, Any] | None = None) -> _config.SMPConfig:
     from smpart.smp.groups import GROUPS
 
     cfg = _config.read(config)
-    state.cfg = cfg
+    state.cfg, state.model, state.optimizer = cfg, None, None  # a new job: its model is made after
     _runtime_api.init(_config.to_config(cfg))
     runtime = _running_runtime()
     if getattr(runtime, "layout", None) is not None:

@@ -4,19 +4,13 @@ unsplit model trained by hand on the same global batches (`tests.test_smp`)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.launch import free_port, run_ranks, values
+from tests.launch import run_ranks, values
 
 pytest.importorskip("transformers")
 from tests.test_smp import assert_state_close, by_value, gpt2_reference, mnist_reference  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _mnist(rank: int, config: dict) -> dict:
@@ -73,17 +67,19 @@ def test_the_mnist_script_on_two_stages_times_two_replicas_matches_the_unsplit_m
     assert_state_close(results[0]["state"], state)
 
 
+def _mnist_from_the_environment(rank: int) -> list:
+    from tests.smp_scripts import mnist
+
+    return mnist.main([])["losses"]
+
+
 @pytest.mark.timeout(200)
-def test_the_mnist_script_under_torchrun_with_sagemakers_environment_variable():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "SM_HP_MP_PARAMETERS": json.dumps({"partitions": 2, "microbatches": 2})}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), "-m", "tests.smp_scripts.mnist"]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    printed = json.loads(done.stdout.strip().splitlines()[-1])
+def test_the_mnist_script_reads_its_configuration_where_sagemaker_put_it():
+    env = {"SM_HP_MP_PARAMETERS": json.dumps({"partitions": 2, "microbatches": 2})}
+    results = values(run_ranks(_mnist_from_the_environment, 2, env=env, timeout_s=180))
     losses, _ = mnist_reference(4, 8, 1)
-    assert [r[0] for r in printed["losses"]] == pytest.approx(losses, abs=1e-5)
+    assert results[0] == results[1]
+    assert [r[0] for r in results[0]] == pytest.approx(losses, abs=1e-5)
 
 
 @pytest.mark.timeout(300)

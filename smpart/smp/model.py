@@ -109,14 +109,12 @@ class DistributedModel(runtime_api.DistributedModel):
             self, state.optimizer))
         return handle
 
-    def _is_local(self, name: str) -> bool:
-        """Whether module ``name`` lives on this rank (every module on threads, or before the partition)."""
-        if self.partition is None or not groups.on_processes():
-            return True
-        return self.partition.stage_of(name) == groups.pp_rank()
-
     def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
-        return ((name, m) for name, m in self.module.named_modules() if self._is_local(name))
+        """The modules of this rank's stage (every module on threads, or before the partition)."""
+        if self.partition is None or not groups.on_processes():
+            return self.module.named_modules()
+        stages, mine = self.partition.module_stages(), groups.pp_rank()
+        return ((name, m) for name, m in self.module.named_modules() if stages.get(name, mine) == mine)
 
     def local_modules(self) -> Iterator[nn.Module]:
         return (m for _, m in self.local_named_modules())

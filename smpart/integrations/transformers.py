@@ -25,6 +25,10 @@ covers what the ``Trainer``'s own SageMaker model-parallel path covered:
   states; **logging and saving** happen once (the first rank); **bf16** is the ``Trainer``'s autocast
   inside the step, carried to every stage.
 
+Every batch splits into ``microbatches`` equal pieces: choose batch sizes they divide, and a last
+uneven training batch is best dropped (``dataloader_drop_last=True``); an uneven one fails with an
+`SmpartError` naming the sizes.
+
 ``transformers`` (and ``accelerate``, which its ``Trainer`` needs) stay optional: importing this
 module without them raises an `SmpartError` saying what to install.
 """

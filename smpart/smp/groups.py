@@ -41,6 +41,7 @@ from typing import Any
 import torch.distributed as dist
 
 from smpart.errors import SmpartError
+from smpart.runtime.ranks import local_rank, rank, size  # noqa: F401 - SMP's names too
 from smpart.runtime.runtime import running_runtime
 
 
@@ -92,8 +93,8 @@ def _group_of(layout: Any, rank: int, kind: CommGroup) -> list[int]:
 def every_group(layout: Any, kind: CommGroup) -> list[list[int]]:
     """Every group of ``kind`` in the job, each once, in one order (the same on every rank)."""
     seen: dict[tuple[int, ...], None] = {}
-    for rank in range(layout.world_size):
-        seen.setdefault(tuple(_group_of(layout, rank, kind)), None)
+    for member in range(layout.world_size):
+        seen.setdefault(tuple(_group_of(layout, member, kind)), None)
     return [list(g) for g in seen]
 
 
@@ -105,23 +106,6 @@ def members(kind: CommGroup) -> list[int]:
 
 def _rank_in(kind: CommGroup) -> int:
     return members(kind).index(rank())
-
-
-def rank() -> int:
-    """This process's global rank (0 on threads)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
-def size() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def local_size() -> int:

@@ -354,7 +354,6 @@ class MicrobatchRun:
         for t in holders(holding & ~mask):
             for operand in tensors[1:]:
                 self.make_available(t, operand)
-        self.flush_sends()
         if holding >> self.me & 1:
             return self._here(func, args, kwargs)
         self._meta(func, args, kwargs)
@@ -457,6 +456,10 @@ class MicrobatchRun:
             )
 
     def flush_sends(self) -> None:
+        """Send what the transfers so far left for other ranks, one message per rank. Called where
+        this rank would otherwise keep a peer waiting: before it waits itself (a receive, the loss's
+        backward, a suspension), before its own modules' work, at the end of the body; what the glue
+        makes for a rank in between (an activation, then the labels its loss needs) travels together."""
         if not self.outbox:
             return
         outbox, self.outbox = self.outbox, {}
@@ -482,7 +485,6 @@ class MicrobatchRun:
         self.event(("call", staged.name, owner))
         for t in _tensors((args, kwargs)):
             self.make_available(owner, t)
-        self.flush_sends()
         key = call_key(staged.model, staged.name, args, kwargs)
         template = rank.templates.get(key)
         if template == UNPREDICTABLE:
@@ -511,6 +513,7 @@ class MicrobatchRun:
             for t in leaves:
                 self.make_available(self.me, t)
             args, kwargs = _swap_placeholders((args, kwargs), self.real)
+        self.flush_sends()  # the ranks waiting for what this one sent need not wait for its work too
         self.structure.append(("compute",))
         try:
             with running(self.inline):

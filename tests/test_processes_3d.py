@@ -204,6 +204,74 @@ def test_tensor_parallel_ranks_draw_the_same_dropout_masks_whatever_each_ranks_s
     assert losses == same_seed_losses  # rank 0's random state rules, whatever rank 1's seed
 
 
+def _dropout_masks(rank, pp):
+    """Two SGD steps of a Hugging Face GPT-2 (its own attention, dropout 0.5 everywhere) split over 2
+    tensor-parallel ranks: the masks of the first step's first attention-probability dropout
+    (inside the split region: this rank's heads), of its residual dropout and its MLP's dropout
+    (on activations every rank holds whole), and the replicated layer norms after the steps."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_head=4, n_layer=2, n_positions=32, vocab_size=64,
+                                     attn_pdrop=0.5, resid_pdrop=0.5, embd_pdrop=0.5,
+                                     reorder_and_upcast_attn=True)  # its attention calls attn_dropout
+    config._attn_implementation = "eager"
+    built = transformers.GPT2LMHeadModel(config)  # float32: that attention computes in it
+    smpart.init(pipeline_parallel_degree=pp, tensor_parallel_degree=2, microbatches=2, timeout_s=60,
+                pin={"lm_head": pp - 1, "transformer.h.1": pp - 1, "transformer.ln_f": pp - 1})
+    masks: dict[str, torch.Tensor] = {}
+
+    def keep(name):
+        def hook(module, args, output):
+            if not output.is_meta:  # the trace's calls are on meta
+                # 1: dropped, 0: kept, -1: zero already (the causal mask's), no verdict
+                masks.setdefault(name, torch.where(args[0] == 0, -1, (output == 0).to(torch.int8)))
+        return hook
+
+    block = built.transformer.h[pp - 1]  # on this rank's stage in both layouts
+    block.attn.attn_dropout.register_forward_hook(keep("heads"))
+    block.attn.resid_dropout.register_forward_hook(keep("attention output"))
+    block.mlp.dropout.register_forward_hook(keep("mlp output"))
+    model = smpart.DistributedModel(built)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ids = torch.randint(64, (4, 12), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        lm_step(model, ids)
+        opt.step()
+        opt.zero_grad()
+    norms = {k: smpart.tensor_parallel.full_tensor(v).tolist()
+             for k, v in model.local_state_dict().items() if ".ln_" in k}
+    at = (smpart.pp_rank(), smpart.tp_rank())
+    smpart.shutdown()
+    return at, {k: v.numpy() for k, v in masks.items()}, norms
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("pp", [1, 2])
+def test_dropout_inside_a_split_region_draws_per_rank_and_outside_it_alike(pp):
+    """Megatron's two streams: the attention probabilities of the heads each rank holds are masked
+    independently, as the unsplit model masks each head (one shared stream would mask rank 1's
+    heads exactly as rank 0's), while the activations every rank holds whole are masked alike,
+    so the replicated layer norms stay equal. With pp 2 the block runs on the second stage."""
+    found = {at: (masks, norms) for at, masks, norms in values(run_ranks(_dropout_masks, 2 * pp, pp,
+                                                                       timeout_s=170))}
+    (first, first_norms), (second, second_norms) = found[(pp - 1, 0)], found[(pp - 1, 1)]
+    def dropped(mask):
+        return (mask == 1).sum() / (mask >= 0).sum()
+
+    heads = first["heads"], second["heads"]
+    assert heads[0].shape == heads[1].shape and heads[0].shape[1] == 2  # 4 heads, 2 on each rank
+    assert 0.35 < dropped(heads[0]) < 0.65 and 0.35 < dropped(heads[1]) < 0.65  # p = 0.5
+    for local in range(2):  # global head `local` on rank 0, `2 + local` on rank 1
+        a, b = heads[0][:, local], heads[1][:, local]
+        agree = (a == b)[a >= 0].mean()
+        assert agree < 0.75, f"head {local} and head {2 + local} drew the same mask ({agree:.0%} alike)"
+    for whole in ("attention output", "mlp output"):
+        assert (first[whole] == second[whole]).all(), f"the {whole} dropout masked the ranks' copies apart"
+        assert 0.35 < dropped(first[whole]) < 0.65
+    assert first_norms == second_norms, "the tensor-parallel ranks' replicated layer norms differ"
+
+
 def _own_tensor_parallel_layers(rank):
     """A model whose author put ``smpart.nn.DistributedLinear`` layers in it (SMP's manual tensor
     parallelism), beside a plain layer, on 2 stages x 2 tensor-parallel ranks."""

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from smpart.errors import PipelineError, SmpartError
+from smpart.tensor_parallel import streams
 
 
 class Endpoint(Protocol):
@@ -112,6 +113,7 @@ class StagedForward:
                 raise only_inside_a_step(f"module {self.name!r}")
             return self.run_here(None, args, kwargs)
         if frame.stage != self.stage:
+            streams.leave()  # a split region ends where the call leaves its stage (`streams`)
             return frame.endpoint.call(frame, self.stage, self.model, self.name, args, kwargs)
         if frame.outgoing is not None:  # promised requests wait no longer once work starts here
             frame.endpoint.flush(frame)

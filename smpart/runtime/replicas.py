@@ -29,9 +29,9 @@ row-parallel layer masks an activation every one of them holds whole, and masks 
 make their copies differ (the next layer's shards would compute from different inputs, and the
 all-reduce after it would sum them). So at every step's start they take the first one's random
 state (the CPU's and their GPU's); they draw the same numbers in the same order from then on, since
-they run the same modules on shards of one size. Dropout inside a sharded region (attention heads)
-then masks each rank's shard alike: valid masks, correlated across shards, where Megatron keeps a
-second generator for those regions.
+they run the same modules on shards of one size. Inside a split region (attention heads, an MLP's
+hidden units) each rank draws from a stream of its own, made from the shared one
+(`smpart.tensor_parallel.streams`), so the heads are masked independently, as in the unsplit model.
 
 A model placed under an earlier ``init`` left each rank only its own stage (`make_whole`): at its
 first step under the next ``init`` every rank takes back the tensors it released, and its

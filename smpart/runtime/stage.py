@@ -80,6 +80,7 @@ from smpart.runtime.schedule import BACKWARD, FORWARD, Action, schedule_named
 from smpart.runtime.scheduler import NEW, RESUME, SEGMENT, Cancelled, Claim, StageScheduler, TimedOut
 from smpart.runtime.threads import compute_thread
 from smpart.runtime.transport import Transport
+from smpart.tensor_parallel import streams
 
 POLL_S = 0.05
 log = logging.getLogger("smpart.runtime")
@@ -623,6 +624,7 @@ class StageServer:
         try:
             self._run_call(run, request, frame, fetched)
         finally:
+            streams.leave()  # a split region left open (its row partner on another stage) ends here
             self._step_out(frame)
 
     def _run_call(self, run: StageStep, request: Request, frame: Frame,
@@ -793,10 +795,12 @@ class StageServer:
             self.flush(frame)
         resume = ref.promised and frame.promised is not None and frame.claim is not None
         if resume:
+            region = streams.suspend()  # the work run meanwhile draws from the shared stream
             self._step_out(frame)
         value = have if have is not None else self._fetched(run, ref)
         if resume:
             self.enter_compute(frame)
+            streams.resume(region)
         return value
 
     def _fetched(self, run: StageStep, ref: handles.HandleRef) -> torch.Tensor:

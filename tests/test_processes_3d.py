@@ -272,6 +272,37 @@ def test_dropout_inside_a_split_region_draws_per_rank_and_outside_it_alike(pp):
     assert first_norms == second_norms, "the tensor-parallel ranks' replicated layer norms differ"
 
 
+def _shards_after_the_model_is_gone(rank):
+    """A tensor-parallel run of the zoo GPT, then the script lets go of its model and optimizer:
+    whether the shards tensor parallelism made (and the module) are still alive after a
+    garbage collection, that is, whether smpart kept any of them."""
+    import gc
+    import weakref
+
+    from examples.models import ZOO
+
+    torch.manual_seed(0)
+    smpart.init(tensor_parallel_degree=2, microbatches=2, timeout_s=60)
+    example = ZOO["gpt2"](dtype=torch.float64)
+    model = smpart.DistributedModel(example.model)
+    opt = smpart.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+    train_step(model, example, *example.batch(4))
+    opt.step()
+    shards = [weakref.ref(p) for p in model.parameters() if smpart.tensor_parallel.layers.is_dtensor(p)]
+    module = weakref.ref(model.module)
+    smpart.shutdown()
+    del model, opt, example
+    gc.collect()
+    return len(shards), sum(ref() is not None for ref in shards), module() is not None
+
+
+@pytest.mark.timeout(120)
+def test_a_model_let_go_after_a_tensor_parallel_run_is_freed():
+    for split, alive, module_alive in values(run_ranks(_shards_after_the_model_is_gone, 2, timeout_s=110)):
+        assert split > 0
+        assert (alive, module_alive) == (0, False), f"{alive} of {split} shards outlived their model"
+
+
 def _own_tensor_parallel_layers(rank):
     """A model whose author put ``smpart.nn.DistributedLinear`` layers in it (SMP's manual tensor
     parallelism), beside a plain layer, on 2 stages x 2 tensor-parallel ranks."""

@@ -194,7 +194,9 @@ def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server:
 #: DTensor cannot take a plain parameter's place in the same object), as is a parameter autograd
 #: still referenced, which could not be changed in place. Every optimizer adopts the new ones
 #: before it steps (`adopt_replacements`): the optimizer a script made from ``model.parameters()``
-#: before the first step would otherwise go on updating the old ones, which nothing uses.
+#: before the first step would otherwise go on updating the old ones, which nothing uses. An entry
+#: lives as long as its old parameter: once nothing holds that (every optimizer adopted the new
+#: one), nothing can need the new one from here, and a model let go is freed whole.
 REPLACED: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
 _adopting: Any = None  # the handle of torch's global optimizer hook, once a parameter was replaced
 
@@ -208,7 +210,13 @@ def remember_replacement(old: nn.Parameter, new: nn.Parameter) -> None:
     """Record that ``new`` took ``old``'s place; from now on every optimizer adopts it as it steps
     (`torch.optim.optimizer.register_optimizer_step_pre_hook`: plain torch optimizers too)."""
     global _adopting
-    REPLACED[id(old)] = (weakref.ref(old), new)
+    key = id(old)
+
+    def forget(ref: weakref.ref) -> None:
+        if REPLACED.get(key, (None,))[0] is ref:  # not an entry for a later object of that id
+            del REPLACED[key]
+
+    REPLACED[key] = (weakref.ref(old, forget), new)
     if _adopting is None:
         _adopting = register_optimizer_step_pre_hook(_adopt_before_step)
 
@@ -236,7 +244,8 @@ def _swap_in(module: nn.Module, name: str, param: nn.Parameter, new: nn.Paramete
     try:
         torch.utils.swap_tensors(param, new)
     except RuntimeError:
-        for owner in _owners.get(id(param), [module]):
+        owners = [owner for ref in _owners.get(id(param), ()) if (owner := ref()) is not None]
+        for owner in owners or [module]:
             for key, value in owner._parameters.items():
                 if value is param:
                     owner._parameters[key] = new
@@ -245,7 +254,8 @@ def _swap_in(module: nn.Module, name: str, param: nn.Parameter, new: nn.Paramete
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)  # free its storage
 
 
-_owners: dict[int, list[nn.Module]] = {}
+#: The modules of the model being placed, weakly held: a placement's index keeps no model alive.
+_owners: dict[int, list[weakref.ref[nn.Module]]] = {}
 
 
 def _index_owners(model: nn.Module) -> None:
@@ -254,7 +264,7 @@ def _index_owners(model: nn.Module) -> None:
     for owner in model.modules():
         for param in owner._parameters.values():
             if param is not None:
-                _owners.setdefault(id(param), []).append(owner)
+                _owners.setdefault(id(param), []).append(weakref.ref(owner))
 
 
 def _materialise_own_tensors(module: nn.Module, device: torch.device, seen: set[int]) -> tuple[int, bool]:

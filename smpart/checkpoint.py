@@ -568,14 +568,14 @@ def load_weights(model: Any, source: str | os.PathLike | Mapping[str, torch.Tens
                               "prefix= (source keys = prefix + the model's names) or strict=False")
     bad = {w.split(":")[0] for w in wrong}
     todo = {k: names for k, names in wanted.items() if k not in bad}
+    loaded = sorted(n for names in todo.values() for n in names)
     if deferred:  # as load_checkpoint: each rank reads what it will hold once placed
         model._after_placement.append(lambda: load_weights(model, source, prefix=prefix, strict=strict))
-        return sorted(n for names in todo.values() for n in names)
+        model._filled_at_placement.update(loaded)  # rank 0's values of these need not reach every rank
+        return loaded
     with torch.no_grad():
-        for key, names in todo.items():
-            target = layout.local[names[0]]
-            store.copy_into(key, target)
-    return sorted(n for names in todo.values() for n in names)
+        store.copy_all({key: layout.local[names[0]] for key, names in todo.items()})
+    return loaded
 
 
 def _tie_groups(local: dict[str, torch.Tensor]) -> list[list[str]]:
@@ -619,6 +619,11 @@ class _Store:
             target.to_local().copy_(_local_part(target, lambda index: self.read(key, index)))
         else:
             target.copy_(self.read(key, None))
+
+    def copy_all(self, targets: Mapping[str, torch.Tensor]) -> None:
+        """Fill each target with its key's values (a DTensor: its own shard only)."""
+        for key, target in targets.items():
+            self.copy_into(key, target)
 
 
 class _DictStore(_Store):
@@ -688,10 +693,23 @@ class _DCPStore(_Store):
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.meta[self.aliases.get(key, key)].size)
 
-    def copy_into(self, key: str, target: torch.Tensor) -> None:
+    def copy_all(self, targets: Mapping[str, torch.Tensor]) -> None:
+        """One read of every target, by this rank alone: the ranks of different stages hold other
+        keys (a collective load per key would pair one rank's key with another's, or wait for a
+        rank that has no more keys), and DCP reads a DTensor's shard by its own offsets. A fused
+        q/k/v shard is three blocks, which DCP does not describe: its tensor is read whole, one
+        at a time, and this rank's slice of each part kept."""
+        fused = {key: t for key, t in targets.items() if _is_fused(t)}
+        self._load({key: t for key, t in targets.items() if key not in fused})
+        for key, target in fused.items():
+            whole = torch.empty(target.shape, dtype=target.dtype)
+            self._load({key: whole})
+            target.to_local().copy_(_local_part(target, lambda index, whole=whole: whole[index]))
+
+    def _load(self, targets: Mapping[str, torch.Tensor]) -> None:
         with _single_process_is_meant():
-            dcp.load({self.aliases.get(key, key): target}, storage_reader=_SafeReader(self.path),
-                     no_dist=not _distributed())
+            dcp.load({self.aliases.get(key, key): target for key, target in targets.items()},
+                     storage_reader=_SafeReader(self.path), no_dist=True)
 
     def describe(self) -> str:
         return f"the DCP checkpoint {self.path}"
@@ -739,8 +757,6 @@ def _local_part(target: torch.Tensor, read: Any) -> torch.Tensor:
     one slice: it is cut from the whole tensor."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from smpart.tensor_parallel.layers import local_shard
-
     strided = [p for p in target.placements if isinstance(p, _StridedShard)]
     if not strided:
         return read(_local_index(target))
@@ -748,7 +764,15 @@ def _local_part(target: torch.Tensor, read: Any) -> torch.Tensor:
         raise CheckpointError("a fused (strided) shard on a mesh of more than one dimension cannot be read "
                               "from this source; load a checkpoint (smpart.load_checkpoint) instead")
     mesh, (placement,) = target.device_mesh, strided
-    return local_shard(read(None), placement.dim, mesh.get_local_rank(), mesh.size(), placement.split_factor)
+    dim, parts, rank, size = placement.dim, placement.split_factor, mesh.get_local_rank(), mesh.size()
+    part = target.shape[dim] // parts
+    piece = part // size
+    pieces = []
+    for j in range(parts):  # this rank's slice of each part (q, k, v): only its bytes are read
+        index = [slice(None)] * len(target.shape)
+        index[dim] = slice(j * part + rank * piece, j * part + (rank + 1) * piece)
+        pieces.append(read(tuple(index)))
+    return torch.cat(pieces, dim)
 
 
 def _local_index(target: torch.Tensor) -> tuple[slice, ...]:
@@ -761,6 +785,15 @@ def _local_index(target: torch.Tensor) -> tuple[slice, ...]:
 
 def _is_dtensor(t: Any) -> bool:
     return hasattr(t, "device_mesh") and hasattr(t, "to_local")
+
+
+def _is_fused(t: Any) -> bool:
+    """A fused q/k/v shard: this rank's slice of each part (a ``_StridedShard``)."""
+    if not _is_dtensor(t):
+        return False
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return any(isinstance(p, _StridedShard) for p in t.placements)
 
 
 # ==================================================================== RNG states

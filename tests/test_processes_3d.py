@@ -421,6 +421,75 @@ def test_a_hugging_face_model_built_on_meta_is_split_initialised_and_loaded(tmp_
         assert all(abs(loss - expected) < 1e-5 for loss in loaded), (loaded, expected)
 
 
+def _reads_its_own_keys(rank, pretrained, checkpoint):
+    """A Hugging Face GPT-2 on 2 stages (uneven: 1 block and 3) x 2 tensor-parallel ranks, built for
+    real and differently on every rank, then `load_weights` from the model's own safetensors and
+    from an smpart (DCP) checkpoint before the first step: per source, the bytes this rank read
+    from it, the bytes it received of rank 0's values before placement, the bytes of the tensors
+    it holds, and the loss in eval mode."""
+    import transformers
+
+    import smpart.checkpoint as ckpt
+    import smpart.runtime.replicas as replicas
+
+    read, received = [0], [0]
+    real_read, real_broadcast = ckpt._SafetensorsStore.read, replicas._broadcast
+
+    def counting_read(self, key, index):
+        tensor = real_read(self, key, index)
+        read[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def counting_broadcast(bucket, group, src, timeout_s):
+        flat = real_broadcast(bucket, group, src, timeout_s)
+        received[0] += flat.numel() * flat.element_size()
+        return flat
+
+    ckpt._SafetensorsStore.read, replicas._broadcast = counting_read, counting_broadcast
+    ids = torch.randint(64, (4, 12), generator=torch.Generator().manual_seed(0))
+    smpart.init(pipeline_parallel_degree=2, tensor_parallel_degree=2, microbatches=2, timeout_s=30,
+                pin={"transformer.h.0": 0, "transformer.h.1": 1, "transformer.h.2": 1, "transformer.h.3": 1})
+
+    @smpart.step
+    def loss_of(model, ids):
+        return model(input_ids=ids, labels=ids).loss
+
+    found = []
+    for source in (pretrained, checkpoint):
+        read[0] = received[0] = 0
+        torch.manual_seed(rank + 10)  # every rank builds other values, none the saved ones
+        model = smpart.DistributedModel(transformers.GPT2LMHeadModel(_gpt2_config()).eval())
+        smpart.load_weights(model, source)
+        loss = loss_of(model, ids).reduce_mean().item()
+        held = {id(t): t for t in model.module.state_dict(keep_vars=True).values() if not t.is_meta}
+        local = [t.to_local() if smpart.tensor_parallel.layers.is_dtensor(t) else t for t in held.values()]
+        found.append((read[0], received[0], sum(t.numel() * t.element_size() for t in local), loss))
+    smpart.shutdown()
+    return found
+
+
+@pytest.mark.timeout(150)
+def test_load_weights_under_torchrun_reads_each_ranks_own_keys_only(tmp_path):
+    """Each rank reads the bytes of what it holds (a fused q/k/v shard: its slice of each of q, k
+    and v), receives none of rank 0's values for them first, and a DCP source is read by each rank
+    alone (per key and together, it paired one rank's key with another's and hung on uneven stages)."""
+    import transformers
+
+    torch.manual_seed(0)
+    plain = transformers.GPT2LMHeadModel(_gpt2_config()).eval()
+    plain.save_pretrained(tmp_path / "pretrained")
+    smpart.save_checkpoint(tmp_path / "plain", plain)
+    ids = torch.randint(64, (4, 12), generator=torch.Generator().manual_seed(0))
+    expected = plain(input_ids=ids, labels=ids).loss.item()
+    model_bytes = sum(t.numel() * t.element_size() for t in plain.state_dict().values())
+    for (safetensors, dcp) in values(run_ranks(_reads_its_own_keys, 4, tmp_path / "pretrained",
+                                                tmp_path / "plain", timeout_s=140)):
+        read, received, held, loss = safetensors
+        assert abs(loss - expected) < 1e-5 and abs(dcp[3] - expected) < 1e-5, (loss, dcp[3], expected)
+        assert read <= held < model_bytes / 2, (read, held, model_bytes)  # its own part, tied weight once
+        assert received < model_bytes / 50 and dcp[1] < model_bytes / 50, (received, dcp[1], model_bytes)
+
+
 def _a_whole_script(rank, pretrained, checkpoint):
     """A user's script under torchrun, end to end, on 2 stages x 2 replicas: a Hugging Face model
     built on meta (each rank seeded its own way) filled with pretrained weights, AdamW with a

@@ -53,6 +53,8 @@ class DistributedModel:
         #: Work waiting for the model to be placed (a checkpoint load under torchrun), run by the
         #: runtime on every rank right after placement.
         self._after_placement: list[Callable[[], None]] = []
+        #: State-dict names that such work fills (`load_weights`): no rank needs rank 0's values.
+        self._filled_at_placement: set[str] = set()
         #: Whether every rank's copy took the first rank's values (`replicas`), or needs not: placed.
         self._agreed = False
         #: Rank 0's seed, for modules initialised at placement from the meta device (`replicas`).
@@ -84,6 +86,7 @@ class DistributedModel:
 
     def _placed(self) -> None:
         pending, self._after_placement = self._after_placement, []
+        self._filled_at_placement = set()
         for work in pending:
             work()
 

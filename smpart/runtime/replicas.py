@@ -9,7 +9,9 @@ order and dropout) builds different copies: replicas would train apart silently,
 trained would be a mix of copies. So, as DDP does when it wraps a model, smpart gives every rank
 the first rank's values, once per model, whatever the layout: at the start of the model's first
 step (the step's own model: every rank calls the step function with it, so every rank is there),
-before anything is traced or placed. Weights loaded on rank 0 alone reach every rank too.
+before anything is traced or placed. Weights loaded on rank 0 alone reach every rank too; those
+a pending `smpart.load_weights` will write at placement are left out (each rank reads its own
+from the source: a 1 B-parameter model is not sent to every rank first).
 
 - Tensors already materialised are broadcast from rank 0, in buckets of one dtype, through a CPU
   copy (smpart's gloo group), so a rank that holds the model on its GPU is served too.
@@ -72,9 +74,11 @@ def make_replicas_agree(model: Any, group: Any, timeout_s: float) -> None:
     placed yet) and rank 0's seed for what is still on the meta device."""
     seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
     _wait(dist.broadcast(seed, src=0, group=group, async_op=True), timeout_s, "rank 0's seed")
-    # A tensor-parallel layer the user built holds its own shard (a DTensor): not a copy
-    _take_values([t for _, t in _tensors(model.module) if not t.is_meta and not is_dtensor(t)], group, 0,
-                 timeout_s)
+    # A tensor-parallel layer the user built holds its own shard (a DTensor): not a copy; weights
+    # to be loaded at placement (`load_weights`) are read by each rank from the source instead
+    loaded = model._filled_at_placement
+    _take_values([t for name, t in _tensors(model.module)
+                  if not t.is_meta and not is_dtensor(t) and name not in loaded], group, 0, timeout_s)
     model._init_seed = int(seed.item())
 
 

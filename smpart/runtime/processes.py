@@ -36,11 +36,12 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from smpart.config import Config
+from smpart.distributed.attendance import Attendance
 from smpart.distributed.launch import Setup, release_groups, setup
 from smpart.distributed.transport import ProcessTransport
 from smpart.errors import PeerLost, PipelineError, SmpartError
 from smpart.runtime import torch_clip
-from smpart.runtime.data_parallel import GradientReducer, stage_parameters
+from smpart.runtime.data_parallel import CHECK, GradientReducer, ordinal, stage_parameters
 from smpart.runtime.messages import (
     MAIN,
     STAGE,
@@ -53,6 +54,7 @@ from smpart.runtime.messages import (
 )
 from smpart.runtime.placement import place_on_rank, unplace
 from smpart.runtime.replicas import (
+    all_gather_objects,
     check_same_model,
     initialisation_seed,
     make_replicas_agree,
@@ -209,6 +211,8 @@ class ProcessRuntime:
         self.answer_at_shutdown = True
         self._reducer: GradientReducer | None = None
         self._reducer_lock = threading.Lock()
+        #: Where this rank is in a step's collectives, for the others' errors (`attendance`).
+        self.attendance = Attendance(self.rank, self._describe_rank)
         if layout.dp > 1:
             self.server.on_gradients_final = self._start_gradient_sync
         if not self.is_driver:
@@ -295,8 +299,11 @@ class ProcessRuntime:
                                       "number of times")
                 self._end_step(message.error)
                 return message.results, message.timeline
+        if self._reducer is not None and self._reducer.failure is not None:
+            raise self._reducer.failure  # what this stage waited for: a replica that never came
         raise PipelineError(f"rank {self.rank} heard nothing for {timeout_s} s while waiting for step {step} "
-                            "to end (a hang on another rank?)", rank=self.rank)
+                            f"to end: its pipeline's first stage, rank {self.driver_place}, did not say it "
+                            "ended (a hang there, or on a rank it waits for)", rank=self.rank)
 
     # ================================================================ the state dict
     def gather_state(self, kind: str, target: int, own: dict[Any, Any]) -> list[dict[Any, Any]]:
@@ -341,11 +348,18 @@ class ProcessRuntime:
     # ================================================================ data parallelism
     def _begin_gradient_sync(self) -> None:
         if self._reducer is not None:
-            self._reducer.begin_step()
+            self._reducer.begin_step(self.steps_taken)
 
     def _start_gradient_sync(self, step: int) -> None:
-        """The stage's gradients are final (every micro-batch released here): start what is left."""
-        self._current_reducer().flush()
+        """The stage's gradients are final (every micro-batch released here): start what is left,
+        on a thread of its own (this is a message handler). A replica that never comes fails it
+        within timeout_s; the reducer keeps the error for `_end_step`, which raises it."""
+        self._current_reducer().flush_soon()
+
+    def _describe_rank(self, rank: int) -> str:
+        stage, replica, shard = self.layout.coordinates(rank)
+        where = f"stage {stage}, data-parallel replica {replica}"
+        return f"rank {rank} ({where}{f', tensor-parallel rank {shard}' if self.layout.tp > 1 else ''})"
 
     def _current_reducer(self) -> GradientReducer:
         """The reducer of the parameters this rank holds now (a new one once another model is placed)."""
@@ -355,7 +369,8 @@ class ProcessRuntime:
                 if self._reducer is not None:
                     self._reducer.remove()
                 self._reducer = GradientReducer(params, self.setup.dp_group, self.setup.dp_control_group,
-                                                self.layout.dp, replica=self.dp_rank)
+                                                self.layout.dp, replica=self.dp_rank, step=self.steps_taken,
+                                                attendance=self.attendance, timeout_s=self.config.timeout_s)
             return self._reducer
 
     def _end_step(self, error: BaseException | None) -> None:
@@ -386,11 +401,14 @@ class ProcessRuntime:
         # every step: one small all-reduce of a digest (its max and its negated min), on CPU
         digest = int.from_bytes(hashlib.sha256(repr(shapes).encode()).digest()[:7], "little")
         extremes = torch.tensor([digest, -digest], dtype=torch.int64)
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.setup.dp_control_group)
+        group, phase = self.setup.dp_control_group, ordinal(self.steps_taken, CHECK)
+        where = f"the check of the replicas' batches at the start of step {self.steps_taken + 1}"
+        self.attendance.arrive(phase, where)
+        work = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        self.attendance.wait(work, self.config.timeout_s, phase, where, dist.get_process_group_ranks(group))
         if extremes[0].item() == -extremes[1].item():
             return
-        every: list[Any] = [None] * self.layout.dp
-        dist.all_gather_object(every, shapes, group=self.setup.dp_control_group)
+        every = all_gather_objects(shapes, group, self.config.timeout_s, "the shapes of the batches")
         if any(other != shapes for other in every):
             sizes = {d: [s[0] if s else None for s in shape][:3] for d, shape in enumerate(every)}
             raise SmpartError(f"the data-parallel replicas were fed batches of different shapes (first "

@@ -111,7 +111,7 @@ def _gathered_state(optimizer: Any, group: Any, timeout_s: float) -> dict[int, A
     """The optimizer's state of every parameter, from the ranks that hold them (on the CPU)."""
     mine = {i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
             for i, entry in optimizer.local_state_dict()["state"].items()}
-    parts = _all_gather_objects(mine, group, timeout_s, "the optimizer's state")
+    parts = all_gather_objects(mine, group, timeout_s, "the optimizer's state")
     state: dict[int, Any] = {}
     for part in reversed(parts):  # the lowest rank's entry last: it wins
         state.update(part)
@@ -243,7 +243,7 @@ def _pieces(flat: torch.Tensor, like: list[torch.Tensor]) -> Iterator[torch.Tens
         offset += t.numel()
 
 
-def _all_gather_objects(obj: Any, group: Any, timeout_s: float, what: str) -> list[Any]:
+def all_gather_objects(obj: Any, group: Any, timeout_s: float, what: str) -> list[Any]:
     """Every rank's ``obj`` (pickled), as ``all_gather_object``, but with every wait bounded."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     world = dist.get_world_size(group)

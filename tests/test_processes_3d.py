@@ -303,6 +303,42 @@ def test_a_model_let_go_after_a_tensor_parallel_run_is_freed():
         assert (alive, module_alive) == (0, False), f"{alive} of {split} shards outlived their model"
 
 
+def _twins_alive_at_once(rank):
+    """A model built on meta and split over 2 tensor-parallel ranks: each split layer is initialised
+    from an unsplit twin of it (`placement._initialise`); the most twins alive at once."""
+    import weakref
+
+    from smpart.tensor_parallel.layers import _OnMesh
+
+    twins: list[weakref.ref] = []
+    most = [0]
+    real_twin = _OnMesh.plain_twin
+
+    def counting_twin(self, device):
+        twin = real_twin(self, device)
+        twins.append(weakref.ref(twin))
+        most[0] = max(most[0], sum(ref() is not None for ref in twins))
+        return twin
+
+    _OnMesh.plain_twin = counting_twin
+    smpart.init(tensor_parallel_degree=2, microbatches=2, timeout_s=60)
+    with torch.device("meta"):
+        built = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(),
+                                                          torch.nn.Linear(32, 8)) for _ in range(3)])
+    model = smpart.DistributedModel(built)
+    cross_entropy_step(model, torch.randn(4, 8), torch.randint(8, (4,)))
+    smpart.shutdown()
+    return len(twins), most[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_model_built_on_meta_and_split_holds_one_unsplit_layer_at_a_time():
+    """Each split layer's first values come from an unsplit twin: the peak of a rank is what it
+    holds plus one whole layer, not two (the last twin lived on while the next was made)."""
+    for made, most in values(run_ranks(_twins_alive_at_once, 2, timeout_s=110)):
+        assert made == 6 and most == 1, (made, most)
+
+
 def _own_tensor_parallel_layers(rank):
     """A model whose author put ``smpart.nn.DistributedLinear`` layers in it (SMP's manual tensor
     parallelism), beside a plain layer, on 2 stages x 2 tensor-parallel ranks."""

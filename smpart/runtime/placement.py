@@ -344,6 +344,7 @@ def _initialise(model: nn.Module, fresh: list[tuple[str, nn.Module]], loading: b
                 hugging_face_init(target)
             if twin is not None:
                 module.take_values(twin)
+            twin = target = reset = None  # gone before the next twin is made: one whole layer at a time
     blank = [name or type(model).__name__ for name, module in fresh if _unset_left(module)]
     if blank and not loading:
         warnings.warn(f"smpart: {len(blank)} module(s) built on the meta device have no reset_parameters() "

@@ -206,8 +206,10 @@ class _OnMesh:
             for name, param in self.named_parameters(recurse=False):
                 full = getattr(twin, name).detach()
                 (placement,) = param.placements
-                if isinstance(placement, Shard | _StridedShard):
-                    full = local_shard(full, placement.dim, rank, size, getattr(placement, "split_factor", 1))
+                fused = getattr(placement, "split_factor", 1)
+                if isinstance(placement, Shard | _StridedShard):  # a view where it can (no copy)
+                    full = (full.chunk(size, placement.dim)[rank] if fused == 1
+                            else local_shard(full, placement.dim, rank, size, fused))
                 param.to_local().copy_(full)
 
     def reset_parameters(self) -> None:

@@ -417,23 +417,21 @@ class ProcessRuntime:
 
     # ================================================================ placement
     def _start_alike(self, pieces: list[tuple[tuple, dict]]) -> None:
-        """The step's model, at its first step under this ``init``: whole again on every rank if an
-        earlier init's placement left each rank a part; the same on every rank, with rank 0's
-        values, if it is new (`replicas`). Every step: the replicas take the first one's buffers
+        """The step's model, at its first step under this ``init``: the same on every rank, with
+        rank 0's values, if it is new (`replicas`); if an earlier init's placement left each rank
+        a part, each takes back what it will hold when it places it (`_take_back`; all of it now
+        if the trace runs on the real values). Every step: the replicas take the first one's buffers
         (``broadcast_buffers``), and a stage's tensor-parallel ranks the first one's random state.
         (The model is the step's argument, the same on every rank; the models alive are not, as
         one rank may not have collected garbage another has.)"""
         from smpart.runtime.model import DistributedModel
-        from smpart.runtime.optimizer import optimizers_over
 
         group, timeout_s = self.setup.collective_group, self.config.timeout_s
         args, kwargs = pieces[0]  # the step function checked: exactly one DistributedModel among them
         model = next(v for v in (*args, *kwargs.values()) if isinstance(v, DistributedModel))
         if model._runtime is not self:
-            if model._released:
-                gc.collect()  # an optimizer left for garbage on one rank only would pair nothing
-                make_whole(model, optimizers_over(model.module.parameters()), group, timeout_s)
-                model._released = False
+            if model._released and self.config.trace_device == "real":  # the trace runs on its values
+                self._take_back(model, None)
             if not model._agreed:
                 check_same_model(model, group, timeout_s)
                 make_replicas_agree(model, group, timeout_s)
@@ -505,7 +503,26 @@ class ProcessRuntime:
         if error is not None:
             raise error
 
+    def _take_back(self, model: DistributedModel, partition: Any) -> None:
+        """A model an earlier ``init`` placed (each rank released the others' stages): every rank
+        takes back what it will hold under ``partition`` (None: everything), from the ranks that
+        kept it, and its optimizers' state with it (`replicas.make_whole`)."""
+        from smpart.runtime.optimizer import optimizers_over
+        from smpart.runtime.placement import module_stages
+
+        keep = None
+        if partition is not None:
+            stages = module_stages(model.module, partition)
+            keep = lambda names: any(stages.get(name.rpartition(".")[0], 0) == self.stage  # noqa: E731
+                                     for name in names)
+        gc.collect()  # an optimizer left for garbage on one rank only would pair nothing
+        make_whole(model, optimizers_over(model.module.parameters()), self.setup.collective_group,
+                   self.config.timeout_s, keep)
+        model._released = False
+
     def _place(self, model: DistributedModel, partition: Any) -> None:
+        if model._released:  # every rank places it now: each takes back only its new stage's tensors
+            self._take_back(model, partition)
         if self.layout.tp > 1:
             self._split_for_tensor_parallelism(model)
             partition = _as_split(partition, model.tensor_parallel_plan)

@@ -35,10 +35,11 @@ they run the same modules on shards of one size. Inside a split region (attentio
 hidden units) each rank draws from a stream of its own, made from the shared one
 (`smpart.tensor_parallel.streams`), so the heads are masked independently, as in the unsplit model.
 
-A model placed under an earlier ``init`` left each rank only its own stage (`make_whole`): at its
-first step under the next ``init`` every rank takes back the tensors it released, and its
-optimizer's state, from the lowest rank that kept each, so the next placement, in any layout,
-starts from the trained model, as on threads, where nothing was ever released.
+A model placed under an earlier ``init`` left each rank only its own stage (`make_whole`): when the
+next ``init`` places it, every rank takes back the tensors its new stage holds that it released,
+and their optimizer state, from the lowest rank that kept each, so the placement, in any layout,
+starts from the trained model, as on threads, where nothing was ever released; no rank holds
+more than what it kept, what it will hold and one bucket in flight.
 
 Under data parallelism each step also begins with the replicas taking the first replica's
 buffers, those a state dict saves (`share_buffers`; ``DistributedModel(broadcast_buffers=True)``,

@@ -526,6 +526,52 @@ def test_load_weights_under_torchrun_reads_each_ranks_own_keys_only(tmp_path):
         assert received < model_bytes / 50 and dcp[1] < model_bytes / 50, (received, dcp[1], model_bytes)
 
 
+class CountingLinear(torch.nn.Linear):
+    """Counts its initialisations (``reset_parameters``)."""
+
+    resets = 0
+
+    def reset_parameters(self):
+        CountingLinear.resets += 1
+        super().reset_parameters()
+
+
+def _two_counting_layers() -> torch.nn.Module:
+    return torch.nn.Sequential(CountingLinear(8, 8), torch.nn.Tanh(), CountingLinear(8, 4))
+
+
+def _loaded_at_placement(rank, weights):
+    """A model built on meta on 2 stages, its weights loaded at placement: how many of its layers
+    were initialised first, and the first step's loss."""
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60)
+    with torch.device("meta"):
+        model = smpart.DistributedModel(_two_counting_layers())
+    CountingLinear.resets = 0  # built on meta, each layer already ran it once
+    smpart.load_weights(model, weights)
+    x, y = torch.ones(4, 8), torch.arange(4)
+    loss = cross_entropy_step(model, x, y).reduce_mean().item()
+    smpart.shutdown()
+    return CountingLinear.resets, loss
+
+
+@pytest.mark.timeout(120)
+def test_weights_loaded_at_placement_are_not_initialised_first(tmp_path):
+    """Each rank initialised its layers (a 1 B-parameter model: seconds of random draws per rank),
+    then the load overwrote them: it initialises only what no load will write."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    plain = _two_counting_layers()
+    save_file(plain.state_dict(), str(tmp_path / "model.safetensors"))
+    x, y = torch.ones(4, 8), torch.arange(4)
+    expected = sum(torch.nn.functional.cross_entropy(plain(a), b).item()
+                   for a, b in zip(x.chunk(2), y.chunk(2), strict=True)) / 2
+    for resets, loss in values(run_ranks(_loaded_at_placement, 2, tmp_path / "model.safetensors",
+                                         timeout_s=110)):
+        assert resets == 0
+        assert loss == pytest.approx(expected, abs=1e-6)
+
+
 def _a_whole_script(rank, pretrained, checkpoint):
     """A user's script under torchrun, end to end, on 2 stages x 2 replicas: a Hugging Face model
     built on meta (each rank seeded its own way) filled with pretrained weights, AdamW with a

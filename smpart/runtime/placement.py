@@ -14,7 +14,7 @@ import contextlib
 import sys
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -161,10 +161,11 @@ def place(model: nn.Module, model_id: int, partition: Partition, servers: list[S
 
 
 def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server: StageServer,
-                  loading: bool = False, seed: int | None = None) -> int:
+                  loading: bool = False, seed: int | None = None, loaded: Collection[str] = ()) -> int:
     """Processes: route every module's calls to its stage; keep this rank's modules (materialised on
     its device and initialised if they were built on the meta device, from a generator seeded with
-    ``seed`` if given; ``loading``: weights will be loaded into them) and release every other
+    ``seed`` if given; ``loading``: weights will be loaded into them; ``loaded``: the names of the
+    tensors a load will write, whose modules are not initialised first) and release every other
     stage's tensors to the meta device, so a rank holds only its own stage. Returns the parameter
     bytes kept here."""
     stages = module_stages(model, partition)
@@ -180,6 +181,7 @@ def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server:
             if materialised:
                 fresh.append((name, module))
             server.modules[(model_id, name)] = module
+    fresh = [(name, module) for name, module in fresh if not _all_loaded(name, module, loaded)]
     with _seeded(seed, server.device):
         _initialise(model, fresh, loading)
     for name, module in model.named_modules():
@@ -323,6 +325,14 @@ def _device_of(module: nn.Module) -> torch.device:
     param = next(module.parameters(recurse=False))
     return (param.to_local() if is_dtensor(param) else param).device
 
+
+
+def _all_loaded(name: str, module: nn.Module, loaded: Collection[str]) -> bool:
+    """Whether a load will write every one of the module's own tensors (its values would go unused:
+    a 1 B-parameter model loaded at placement is not initialised first)."""
+    prefix = f"{name}." if name else ""
+    own = [key for key, t in (*module._parameters.items(), *module._buffers.items()) if t is not None]
+    return bool(own) and all(prefix + key in loaded for key in own)
 
 
 def _initialise(model: nn.Module, fresh: list[tuple[str, nn.Module]], loading: bool) -> None:

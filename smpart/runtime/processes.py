@@ -529,7 +529,8 @@ class ProcessRuntime:
         seed = (None if model._init_seed is None else
                 initialisation_seed(model._init_seed, model.model_id, self.stage))
         kept = place_on_rank(model.module, model.model_id, partition, self.server,
-                             loading=bool(model._after_placement), seed=seed)
+                             loading=bool(model._after_placement), seed=seed,
+                             loaded=model._filled_at_placement)
         # every rank released the other stages' tensors, or split layers into its shards
         model._released = self.num_stages > 1 or self.layout.tp > 1
         self.resident_bytes[model.model_id] = kept

@@ -707,9 +707,18 @@ class _DCPStore(_Store):
             target.to_local().copy_(_local_part(target, lambda index, whole=whole: whole[index]))
 
     def _load(self, targets: Mapping[str, torch.Tensor]) -> None:
+        stored: dict[str, torch.Tensor] = {}  # by the key DCP stores: an alias reads its original
+        copies = []
+        for key, target in targets.items():
+            original = self.aliases.get(key, key)
+            if original in stored:
+                copies.append((target, stored[original]))
+            else:
+                stored[original] = target
         with _single_process_is_meant():
-            dcp.load({self.aliases.get(key, key): target for key, target in targets.items()},
-                     storage_reader=_SafeReader(self.path), no_dist=True)
+            dcp.load(stored, storage_reader=_SafeReader(self.path), no_dist=True)
+        for target, source in copies:
+            target.copy_(source)
 
     def describe(self) -> str:
         return f"the DCP checkpoint {self.path}"

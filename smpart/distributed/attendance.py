@@ -62,7 +62,7 @@ class Attendance:
             named = "; ".join(f"{self._describe_rank(r)}, last seen {seen}" for r, seen in absent)
             who = f"{named}: it failed or hangs there"
         else:
-            who = "every rank had come (a peer's connection failed)"
+            who = "every rank of the group had reached it (a connection failed, or collectives did not pair)"
         return SmpartError(f"rank {self.rank} waited for {where} and it did not complete within "
                            f"{timeout_s} s: {who}. The step fails here, and these ranks' process group is "
                            "unusable from now on: call smpart.shutdown() and smpart.init(...) again on every "

@@ -45,8 +45,8 @@ closing its connections never joins these collectives. Every wait here is bounde
 ``timeout_s`` (`smpart.distributed.attendance`): before its flush and its finish a rank marks
 where it is, and a wait that expires raises an `SmpartError` naming the ranks of the group that
 never came and where they were last seen. The first such failure is kept: the group is unusable
-from then on, and the flush (on the stage server's thread) and the finish (on the main thread)
-raise the same error.
+from then on, and the flush (on a thread of its own, `flush_soon`: the stage server calls it from
+a message handler, which must not block) and the finish (on the main thread) raise the same error.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ thing without a GPU: GPT-2 small's module tree (12 blocks, tied embeddings) at a
 the matrix products cost next to nothing and the step is the host's own work, split as smpart
 splits GPT-2 small at full size (the partition pinned, as in `bench/backward_work.py`), on
 threads. Printed: the unsplit model's step on the same 4 micro-batches one after the other, and
-smpart's, with what smpart adds per step and per micro-batch; medians over ``--steps`` after
+smpart's (its step programs, and the reference runtime with programs off), with what smpart adds
+per step and per micro-batch; medians over ``--steps`` after
 warm-up, the configurations alternating over ``--rounds``.
 
     .venv/bin/python bench/host_overhead.py [--stages 2 4] [--steps 20] [--rounds 2]
@@ -66,8 +67,10 @@ def unsplit_ms(example, steps: int) -> float:
     return _median_ms(step, steps)
 
 
-def smpart_ms(example, steps: int, stages: int, schedule: str, pins: dict[str, int]) -> float:
-    smpart.init(pipeline_parallel_degree=stages, microbatches=MICROBATCHES, pipeline=schedule, pin=pins)
+def smpart_ms(example, steps: int, stages: int, schedule: str, pins: dict[str, int],
+              programs: bool = True) -> float:
+    smpart.init(pipeline_parallel_degree=stages, microbatches=MICROBATCHES, pipeline=schedule, pin=pins,
+                step_programs=programs)
     try:
         model = smpart.DistributedModel(copy.deepcopy(example.model))
         opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
@@ -98,14 +101,16 @@ def main() -> None:
     a = parser.parse_args()
     torch.set_num_threads(1)
     example = gpt2_small(**TINY)
-    configs = [(stages, schedule) for stages in a.stages for schedule in ("gpipe", "1f1b")]
+    configs = [(stages, schedule, programs) for stages in a.stages for schedule in ("gpipe", "1f1b")
+               for programs in (True, False)]
     pins = {stages: full_size_partition(stages, a.batch) for stages in a.stages}
     unsplit: list[float] = []
-    split: dict[tuple[int, str], list[float]] = {config: [] for config in configs}
+    split: dict[tuple[int, str, bool], list[float]] = {config: [] for config in configs}
     for _ in range(a.rounds):
         unsplit.append(unsplit_ms(example, a.steps))
-        for stages, schedule in configs:
-            split[(stages, schedule)].append(smpart_ms(example, a.steps, stages, schedule, pins[stages]))
+        for stages, schedule, programs in configs:
+            split[(stages, schedule, programs)].append(
+                smpart_ms(example, a.steps, stages, schedule, pins[stages], programs))
     base = statistics.median(unsplit)
     title = (f"GPT-2 small's module tree at width {TINY['n_embd']} on this CPU (1 intra-op thread), "
              f"{MICROBATCHES} micro-batches, smpart on threads; medians of {a.rounds} rounds")
@@ -113,9 +118,10 @@ def main() -> None:
     for column in ("configuration", "step ms", "÷ unsplit", "added ms / step", "added ms / micro-batch"):
         table.add_column(column, justify="left" if column == "configuration" else "right")
     table.add_row("unsplit", f"{base:.1f}", "1.00", "", "")
-    for (stages, schedule), times in split.items():
+    for (stages, schedule, programs), times in split.items():
         ms = statistics.median(times)
-        table.add_row(f"smpart, {stages} stages, {schedule}", f"{ms:.1f}", f"{ms / base:.2f}",
+        runtime = "program" if programs else "reference"
+        table.add_row(f"smpart, {stages} stages, {schedule}, {runtime}", f"{ms:.1f}", f"{ms / base:.2f}",
                       f"{ms - base:.1f}", f"{(ms - base) / MICROBATCHES:.1f}")
     Console().print(table)
 

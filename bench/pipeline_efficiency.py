@@ -9,8 +9,9 @@ runtime's). ``time.sleep`` itself overshoots a little, so the ratio to the ideal
 the sleep times measured on this machine (outside the runtime) is printed too: that one is the
 runtime's own overhead.
 
-Three times: the stages on threads of this process; on one process per stage (gloo, spawned from
-this script, one intra-op thread each; step times of the driver's rank); and, as the yardstick of
+Four times: the stages on threads of this process; on one process per stage (gloo, spawned from
+this script, one intra-op thread each; step times of the driver's rank), with step programs and
+with the reference runtime (programs off, ``ref. procs``); and, as the yardstick of
 what a pipeline over processes reaches on this machine, torch.distributed.pipelining's own
 ``ScheduleGPipe`` / ``Schedule1F1B`` over the same blocks in the same processes (one block per
 rank, the loss on the last stage; step times of the first stage's rank, whose last backward ends
@@ -88,18 +89,18 @@ def train_step(model, x):
 
 
 def measure(schedule: str, stages: int, microbatches: int, seconds: float, steps: int, width: int = 8,
-            where: str = "threads") -> tuple[list[float], list[float], str, float]:
+            programs: bool = True, where: str = "threads") -> tuple[list[float], list[float], str, float]:
     """Step times and bubble fractions of ``steps`` steps, where the last step's timeline was
     saved, and the CPU seconds per step of this process (all its threads). ``stages`` warm-up
     steps go first: the first places the model, and holding (`smpart.runtime.gradients`) learns
     its counts from the step before, so the first steps of ``stages`` stages repeat backward
     work (`bench/backward_work.py`)."""
     smpart.init(pipeline_parallel_degree=stages, microbatches=microbatches, pipeline=schedule,
-                pin={f"blocks.{i}": i for i in range(stages)}, timeout_s=120)
+                pin={f"blocks.{i}": i for i in range(stages)}, timeout_s=120, step_programs=programs)
     try:
         model = smpart.DistributedModel(SleepPipeline(stages, seconds))
         x = torch.randn(microbatches * 2, width)
-        for _ in range(stages):  # trace, partition, place; then until holding has settled
+        for _ in range(max(stages, 3)):  # trace, partition, place, record; discover the program
             train_step(model, x)
         times, bubbles = [], []
         cpu_before = _cpu_seconds()
@@ -126,9 +127,10 @@ def on_rank(rank: int, *args) -> tuple[list[float], list[float], str, float]:
     return measure(*args, where="processes")
 
 
-def on_processes(pool: RankPool, *args) -> tuple[list[float], list[float], str, float]:
-    """The driver's rank's step times, bubbles and timeline; the CPU per step of every rank, summed."""
-    ranks = pool.run(on_rank, *args)
+def on_processes(pool: RankPool, *args, programs: bool = True) -> tuple[list[float], list[float], str, float]:
+    """The driver's rank's step times, bubbles and timeline; the CPU per step of every rank, summed;
+    ``programs`` off: on the reference runtime."""
+    ranks = pool.run(on_rank, *args, programs)
     times, bubbles, path, _ = ranks[0]
     return times, bubbles, path, sum(rank[3] for rank in ranks)
 
@@ -204,16 +206,17 @@ def main() -> None:
         for _ in range(a.rounds):
             for schedule in ("gpipe", "1f1b"):
                 for where, run in (("threads", measure), ("processes", partial(on_processes, pool)),
+                                   ("reference", partial(on_processes, pool, programs=False)),
                                    ("torch", partial(on_torch_processes, pool))):
                     got = run(schedule, a.stages, a.microbatches, t, a.steps, a.width)
                     old = results.get((where, schedule), ([], [], "", []))
                     results[(where, schedule)] = (old[0] + got[0], old[1] + got[1], got[2], old[3] + [got[3]])
-    order = ("threads", "processes", "torch")
+    order = ("threads", "processes", "reference", "torch")
     for (where, schedule), (times, bubbles, path, cpus) in sorted(results.items(),
                                                                    key=lambda kv: order.index(kv[0][0])):
         step_s, bubble = statistics.median(times), statistics.median(bubbles)
         shown = f"bubble {bubble:5.1%}" if path else " " * 13
-        where_shown = "torch procs" if where == "torch" else where
+        where_shown = {"torch": "torch procs", "reference": "ref. procs"}.get(where, where)
         saved = f"  timeline {path}" if path else ""
         print(f"  {where_shown:<11} {schedule:<5} step {step_s * 1e3:6.1f} ms (median of {len(times)})  "
               f"{shown}  CPU {statistics.median(cpus) * 1e3:5.1f} ms/step{saved}")
@@ -223,7 +226,9 @@ def main() -> None:
     for schedule in ("gpipe", "1f1b"):
         ours = statistics.median(results[("processes", schedule)][0])
         theirs = statistics.median(results[("torch", schedule)][0])
-        print(f"  smpart processes / torch procs ({schedule}): {ours / theirs:.3f}")
+        reference = statistics.median(results[("reference", schedule)][0])
+        print(f"  smpart processes / torch procs ({schedule}): {ours / theirs:.3f} (goal <= 1.00); "
+              f"the reference runtime (step programs off): {reference / theirs:.3f}")
 
 if __name__ == "__main__":
     main()

@@ -317,12 +317,13 @@ def _timed(one_step: Any, warmup: int, steps: int, usage: dict[str, float] | Non
 
 
 def run_smpart(rank: int | None, schedule: str, warmup: int, steps: int,
-               halves: bool = False) -> dict[str, Any]:
+               halves: bool = False, reference: bool = False) -> dict[str, Any]:
     """smpart's step on whatever this process is (a rank of the pool, or threads when ``rank`` is
-    None); step times are those of the driver (rank 0)."""
+    None); step times are those of the driver (rank 0). ``reference``: every step on the
+    reference runtime (step programs off)."""
     pins = HALVES_PINS if halves else PINS
     smpart.init(pipeline_parallel_degree=STAGES, microbatches=MICROBATCHES, pipeline=schedule, pin=pins,
-                timeout_s=120)
+                timeout_s=120, step_programs=not reference)
     try:
         model = smpart.DistributedModel(Halves(make_model()) if halves else make_model())
         opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
@@ -522,7 +523,7 @@ def main() -> None:
     a = parser.parse_args()
     torch.set_num_threads(1)
     proc_configs = [("smpart procs", "1f1b"), ("torch procs", "1f1b"), ("smpart procs", "gpipe"),
-                    ("torch procs", "gpipe")]
+                    ("torch procs", "gpipe"), ("smpart ref", "1f1b"), ("smpart ref", "gpipe")]
     if a.halves:
         proc_configs.append(("smpart procs", "1f1b halves"))
     if a.one_thread:
@@ -544,6 +545,8 @@ def main() -> None:
             for name, schedule in order:
                 fn = {"smpart": run_smpart, "torch": run_torch, "one": run_one_thread}[name.split()[0]]
                 args = (schedule.split()[0], a.warmup, a.steps) + ((True,) if "halves" in schedule else ())
+                if name == "smpart ref":
+                    args += (False, True)
                 results = pool.run(fn, *args)
                 result = results[0]
                 times.setdefault((name, schedule), []).extend(result["times"])
@@ -595,6 +598,12 @@ def main() -> None:
                                                          per_round[("torch procs", schedule)], strict=True)]
         print(f"smpart processes / torch {torch_name}: {ratio:.3f}  (goal <= 1.0); round by round: "
               f"{', '.join(f'{r:.3f}' for r in paired)} (median {statistics.median(paired):.3f})")
+        reference = [ours / theirs for ours, theirs in zip(per_round[("smpart ref", schedule)],
+                                                            per_round[("torch procs", schedule)],
+                                                            strict=True)]
+        print(f"  the reference runtime (step programs off) / torch {torch_name}: "
+              f"{med[('smpart ref', schedule)] / med[('torch procs', schedule)]:.3f}; round by round "
+              f"{', '.join(f'{r:.3f}' for r in reference)}")
     for schedule in ("1f1b", "gpipe"):
         ratio = med[("smpart procs", schedule)] / med[("smpart threads", schedule)]
         print(f"smpart processes / smpart threads ({schedule}): {ratio:.3f}")

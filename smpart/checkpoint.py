@@ -155,10 +155,11 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     """
     path = Path(path)
     if getattr(model, "_after_placement", None):
-        raise CheckpointError("this model has a checkpoint load waiting for its placement, which happens at "
-                              "its first step under torchrun: saving now would write the weights from before "
-                              "the load. Run a step first (a forward-only step under torch.no_grad() places "
-                              "the model without changing it)")
+        raise CheckpointError("this model has a load waiting for its placement, which happens at its first "
+                              "step (an optimizer's state under torchrun, or tensors built on the meta "
+                              "device): saving now would write what was there before the load. Run a step "
+                              "first (a forward-only step under torch.no_grad() places the model without "
+                              "changing it)")
     rank, world = _rank(), _world(process_group)
     layout = _layout(model)
     optim = _optimizer(optimizer)
@@ -270,10 +271,19 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     (step counts included) and its groups' hyperparameters are those saved. With ``restore_rng``
     each rank's RNG states are set to those its rank saved (when the checkpoint has that rank).
 
-    Under ``torchrun`` a `DistributedModel` is split into stages and shards at its first step, so
-    until then a rank does not know what it holds: the keys are checked now, ``extra`` and the RNG
-    states are restored now, and the tensors are read right after placement (at the first step,
-    on every rank). Saving such a model before that step is refused.
+    What the model holds after the call is what was loaded, however it was built:
+
+    - a materialised model is loaded at once, every rank reading the whole model before its first
+      step (placement then keeps each rank's stage and cuts its shards from the loaded values);
+      under ``torchrun`` the optimizer's state waits for the placement, where each rank reads the
+      state of the parameters it holds, in their final shapes;
+    - a `DistributedModel` built on the meta device has nothing to load into until its placement
+      makes each stage's tensors (at its first step, on every rank, threads or processes): the
+      keys are checked now and the tensors read then. Until then ``model.state_dict()`` serves the
+      checkpoint's values (read from ``path`` when asked).
+
+    ``extra`` and the RNG states are restored now. Saving a model with a load still waiting for its
+    placement is refused.
 
     Raises `CheckpointError` when ``path`` is not a checkpoint, was only partly written, or holds
     another model (every missing, unexpected and mis-shaped key named in one message).
@@ -284,48 +294,78 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     if optimizer is not None and not info.get("optimizer"):
         raise CheckpointError(f"{path} holds no optimizer state (it was saved without an optimizer); "
                               "load it with optimizer=None")
-    if _awaits_placement(model):
-        # Under torchrun a model is placed (split into stages and tensor-parallel shards) at its
-        # first step; each rank can read only what it will hold once that is decided.
-        _check_model_keys(path, _layout(model), _SafeReader(path).read_metadata().state_dict_metadata,
-                          _aliases(ranks))
+    if _awaits_placement(model) or getattr(model, "_filled_at_placement", None):
+        # Built on meta: the tensors are made at placement (the first step), and loaded then; or
+        # a load_weights waits for it, and this load, later, must win: it waits too.
+        layout = _layout(model)
+        saved = _SafeReader(path).read_metadata().state_dict_metadata
+        _check_model_keys(path, layout, saved, _aliases(ranks))
         model._after_placement.append(lambda: _load_tensors(path, model, optimizer, process_group, ranks))
+        model._loaded_later.append(lambda: _checkpoint_values(path, layout.all_names, _aliases(ranks)))
     else:
         _every_rank_calls("load_checkpoint", process_group)
-        _load_tensors(path, model, optimizer, process_group, ranks)
+        # Under torchrun an optimizer's state waits for the placement: a rank then holds the state
+        # of its own stage's parameters only, in their tensor-parallel shapes.
+        later = optimizer if optimizer is not None and _placed_later(model) else None
+        _load_tensors(path, model, None if later is not None else optimizer, process_group, ranks)
+        if later is not None:
+            model._after_placement.append(
+                lambda: _load_tensors(path, model, later, process_group, ranks, model_tensors=False))
     if restore_rng:
         _restore_rng(ranks, _rank(), len(ranks))
     return _load_extra(path / SIDE_DIR, info.get("extra"))
 
 
 def _awaits_placement(model: Any) -> bool:
-    """A `DistributedModel` not placed yet, under the process runtime (each rank will hold only its
-    stage), or on threads with tensors on the meta device (each stage's are made at placement)."""
+    """A `DistributedModel` not placed yet with tensors on the meta device: nothing holds their
+    values until its placement makes each stage's (threads and processes alike)."""
     if getattr(model, "_after_placement", None) is None or getattr(model, "_runtime", None) is not None:
         return False
     from smpart.runtime.runtime import running_runtime
 
-    runtime = running_runtime()
-    if getattr(runtime, "setup", None) is not None:
-        return True
     on_meta = any(t.is_meta for t in itertools.chain(model.module.parameters(), model.module.buffers()))
-    if on_meta and runtime is None:
+    if on_meta and running_runtime() is None:
         raise CheckpointError("this model's tensors are on the meta device, and smpart is not running to "
                               "place it: call smpart.init(...) first, and the load waits for the model's "
                               "placement at its first step")
     return on_meta
 
 
+def _placed_later(model: Any) -> bool:
+    """A `DistributedModel` the process runtime has not placed yet (at placement each rank keeps
+    its own stage only, and tensor-parallel layers become shards)."""
+    if getattr(model, "_after_placement", None) is None or getattr(model, "_runtime", None) is not None:
+        return False
+    from smpart.runtime.runtime import running_runtime
+
+    return getattr(running_runtime(), "setup", None) is not None
+
+
+def _checkpoint_values(path: Path, names: list[str], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors of ``names`` (state dict names), whole, on the CPU: what a load
+    waiting for a meta-built model's placement will write, for `DistributedModel.state_dict`."""
+    saved = _SafeReader(path).read_metadata().state_dict_metadata
+    keys = {name: MODEL + aliases.get(name, name) for name in names}
+    targets: dict[str, torch.Tensor] = {}
+    for key in set(keys.values()):
+        meta = saved[key]
+        targets[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    with _single_process_is_meant():
+        dcp.load(targets, storage_reader=_SafeReader(path), no_dist=True)
+    return {name: targets[key] for name, key in keys.items()}
+
+
 def _load_tensors(path: Path, model: Any, optimizer: Any, process_group: Any,
-                  ranks: dict[int, dict[str, Any]]) -> None:
-    """Read the model's (and optimizer's) tensors that this rank holds, in place."""
+                  ranks: dict[int, dict[str, Any]], model_tensors: bool = True) -> None:
+    """Read the model's (and optimizer's) tensors that this rank holds, in place
+    (``model_tensors=False``: the optimizer's only, the model's being loaded already)."""
     layout = _layout(model)
     optim = _optimizer(optimizer)
     reader = _SafeReader(path)
     saved = reader.read_metadata().state_dict_metadata
     aliases = _aliases(ranks)
     _check_model_keys(path, layout, saved, aliases)
-    targets, copies = _model_targets(layout, aliases)
+    targets, copies = _model_targets(layout, aliases) if model_tensors else ({}, [])
     restore_state = None
     if optim is not None:
         restore_state = _optimizer_targets(path, layout, optim, saved, ranks, targets)
@@ -534,12 +574,15 @@ def load_weights(model: Any, source: str | os.PathLike | Mapping[str, torch.Tens
     tensors, and a DTensor reads only its shard. ``strict``: raise `CheckpointError` naming every
     missing, unexpected or mis-shaped key (else skip them). Returns the names loaded.
 
-    A `DistributedModel` not placed yet (under ``torchrun``, or built on meta) is checked now and
-    read at its placement, as `load_checkpoint` does: until then a rank does not know what it
-    holds (a load into meta tensors went nowhere, silently).
+    A model on threads, or placed, is loaded at once. A `DistributedModel` not placed yet under
+    ``torchrun``, or built on the meta device, is checked now and read at its placement, as
+    `load_checkpoint` reads one built on meta: then each rank knows what it holds, and reads only
+    that (a 1 B-parameter model on 4 stages: a quarter of the source per rank, not all of it, and
+    rank 0's values of those tensors are not sent to every rank first). Until then
+    ``model.state_dict()`` serves the source's values; the model's own tensors still hold theirs.
     """
     layout = _layout(model)
-    deferred = _awaits_placement(model)
+    deferred = _awaits_placement(model) or _placed_later(model)
     # Not placed yet, a rank does not know what it will hold: check against the whole model now
     tensors = layout.module.state_dict(keep_vars=True) if deferred else layout.local  # tied: one object
     store = _open_store(source)
@@ -569,13 +612,33 @@ def load_weights(model: Any, source: str | os.PathLike | Mapping[str, torch.Tens
     bad = {w.split(":")[0] for w in wrong}
     todo = {k: names for k, names in wanted.items() if k not in bad}
     loaded = sorted(n for names in todo.values() for n in names)
-    if deferred:  # as load_checkpoint: each rank reads what it will hold once placed
+    if deferred:  # each rank reads what it will hold, once placed; served by state_dict() until then
         model._after_placement.append(lambda: load_weights(model, source, prefix=prefix, strict=strict))
+        dtypes = {n: tensors[names[0]].dtype for names in todo.values() for n in names}
+        model._loaded_later.append(lambda: _source_values(source, todo, dtypes))
         model._filled_at_placement.update(loaded)  # rank 0's values of these need not reach every rank
         return loaded
     with torch.no_grad():
         store.copy_all({key: layout.local[names[0]] for key, names in todo.items()})
     return loaded
+
+
+def _source_values(source: Any, todo: dict[str, list[str]], dtypes: dict[str, torch.dtype],
+                   ) -> dict[str, torch.Tensor]:
+    """What `load_weights` will write into a meta-built model at its placement, read now: ``todo``
+    maps source keys to the state dict names they fill. One process's read, no collective."""
+    store = _open_store(source)
+    out: dict[str, torch.Tensor] = {}
+    for key, names in todo.items():
+        value = torch.empty(store.shape(key), dtype=dtypes[names[0]])
+        if isinstance(store, _DCPStore):
+            with _single_process_is_meant():
+                dcp.load({store.aliases.get(key, key): value}, storage_reader=_SafeReader(store.path),
+                         no_dist=True)
+        else:
+            store.copy_into(key, value)
+        out.update(dict.fromkeys(names, value))
+    return out
 
 
 def _tie_groups(local: dict[str, torch.Tensor]) -> list[list[str]]:

@@ -32,6 +32,11 @@ class Config:
     pipeline: str = "interleaved"
     #: Cap on micro-batches in flight at once (None: the schedule's own bound).
     active_microbatches: int | None = None
+    #: Stages per pipeline rank: the model is cut into ``pipeline_parallel_degree x virtual_stages``
+    #: stages, rank ``r`` holding stages ``r``, ``r + pp``, ... (round-robin), run as torch's
+    #: ``Interleaved1F1B`` runs them (step programs; the first step runs them on the reference
+    #: runtime, a rank serving its stages as one). ``pin`` names these stages.
+    virtual_stages: int = 1
     tensor_parallel_degree: int = 1
     #: None: derived from the world size (world = pp x tp x dp); 1 on threads.
     data_parallel_degree: int | None = None
@@ -75,6 +80,11 @@ class Config:
     #: module's output shapes depend on its data (then one step fails, naming it).
     #: ``SMPART_PROMISES=0`` sets the default.
     promised_calls: bool = field(default_factory=lambda: os.environ.get("SMPART_PROMISES", "1") != "0")
+    #: From a model's second step on, every rank runs its part of the step as a fixed list of
+    #: actions on one thread, with one-way transfers (`smpart.runtime.program`); the first step of
+    #: each kind, and any step its program cannot run, runs on the reference runtime. Only speed
+    #: changes. ``SMPART_PROGRAMS=0`` sets the default.
+    step_programs: bool = field(default_factory=lambda: os.environ.get("SMPART_PROGRAMS", "1") != "0")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -106,6 +116,11 @@ class Config:
         return dataclasses.asdict(self)
 
     @property
+    def partition_stages(self) -> int:
+        """How many stages the model is cut into: ``pipeline_parallel_degree x virtual_stages``."""
+        return self.pipeline_parallel_degree * self.virtual_stages
+
+    @property
     def schedule(self) -> str:
         """The schedule's canonical name ("gpipe" or "1f1b"), whichever alias was configured."""
         return PIPELINE_ALIASES.get(self.pipeline, self.pipeline)
@@ -116,6 +131,7 @@ class Config:
             "pipeline_parallel_degree",
             "microbatches",
             "tensor_parallel_degree",
+            "virtual_stages",
         ):
             _positive_int(name, getattr(self, name))
         if self.data_parallel_degree is not None:
@@ -123,7 +139,7 @@ class Config:
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ConfigError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
                               f"got {self.placement_strategy!r}")
-        for switch in ("output_handles", "direct_dispatch", "promised_calls"):
+        for switch in ("output_handles", "direct_dispatch", "promised_calls", "step_programs"):
             if not isinstance(getattr(self, switch), bool):
                 raise ConfigError(f"{switch} must be True or False, got {getattr(self, switch)!r}")
         if self.backend not in BACKENDS:
@@ -154,10 +170,10 @@ class Config:
         if not isinstance(self.pin, dict):
             raise ConfigError(f"pin must be a dict of module name -> stage, got {type(self.pin).__name__}")
         for module, stage in self.pin.items():
-            if not isinstance(stage, int) or not 0 <= stage < self.pipeline_parallel_degree:
+            if not isinstance(stage, int) or not 0 <= stage < self.partition_stages:
                 raise ConfigError(
                     f"pin {module!r} -> {stage!r}: stage must be an int in "
-                    f"0..{self.pipeline_parallel_degree - 1}"
+                    f"0..{self.partition_stages - 1}"
                 )
         if self.param_memory_factor <= 0:
             raise ConfigError(f"param_memory_factor must be > 0, got {self.param_memory_factor}")

@@ -28,6 +28,14 @@ from tests.test_processes import _assert_report, _train_zoo
 from tests.test_runtime import train_and_compare
 
 
+@pytest.fixture(autouse=True)
+def _reference_runtime(monkeypatch):
+    """These tests look inside the reference runtime (SMP's: requests, handles, promised calls,
+    holding, turns); with step programs on, steps after a model's first would run as programs."""
+    monkeypatch.setenv("SMPART_PROGRAMS", "0")
+
+
+
 def _serve(endpoint: Endpoint, stop: threading.Event) -> threading.Thread:
     def loop() -> None:
         while not stop.is_set():

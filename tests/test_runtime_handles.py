@@ -23,6 +23,14 @@ from smpart.runtime.handles import Handle, HandleRef
 from tests.launch import run_ranks, values
 from tests.test_runtime import TOL, assert_same_grads, reference_step, train_step
 
+
+@pytest.fixture(autouse=True)
+def _reference_runtime(monkeypatch):
+    """These tests look inside the reference runtime (SMP's: requests, handles, promised calls,
+    holding, turns); with step programs on, steps after a model's first would run as programs."""
+    monkeypatch.setenv("SMPART_PROGRAMS", "0")
+
+
 MICROBATCHES, BATCH = 2, 4
 #: 4 stages cut at block boundaries (the partitioner itself cuts inside h.6, whose residual adds
 #: then run on another stage than its attention and MLP: more than one activation must cross there).

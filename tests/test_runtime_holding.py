@@ -20,6 +20,14 @@ from bench.backward_work import count_accumulations
 from examples.models import ZOO
 from tests.launch import run_ranks, values
 
+
+@pytest.fixture(autouse=True)
+def _reference_runtime(monkeypatch):
+    """These tests look inside the reference runtime (SMP's: requests, handles, promised calls,
+    holding, turns); with step programs on, steps after a model's first would run as programs."""
+    monkeypatch.setenv("SMPART_PROGRAMS", "0")
+
+
 TOL = 1e-9
 MICROBATCHES = 4
 STEPS = 6  # holding learns from each step; 2 stages settle in 2 (bench/backward_work.py)

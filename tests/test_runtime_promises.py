@@ -24,6 +24,14 @@ from smpart.runtime.messages import Request, Response
 from smpart.runtime.promises import UnpredictableOutput
 from tests.launch import run_ranks, values
 
+
+@pytest.fixture(autouse=True)
+def _reference_runtime(monkeypatch):
+    """These tests look inside the reference runtime (SMP's: requests, handles, promised calls,
+    holding, turns); with step programs on, steps after a model's first would run as programs."""
+    monkeypatch.setenv("SMPART_PROGRAMS", "0")
+
+
 WIDTH, BATCH, MICROBATCHES = 64, 8, 2  # an activation of a micro-batch: 2 KiB, above SMALL_BYTES
 
 

@@ -31,6 +31,14 @@ from smpart.runtime.scheduler import NEW, SEGMENT, Claim, StageScheduler
 
 
 @pytest.fixture(autouse=True)
+def _reference_runtime(monkeypatch):
+    """These tests look inside the reference runtime (SMP's: requests, handles, promised calls,
+    holding, turns); with step programs on, steps after a model's first would run as programs."""
+    monkeypatch.setenv("SMPART_PROGRAMS", "0")
+
+
+
+@pytest.fixture(autouse=True)
 def _clean_runtime():
     yield
     smpart.shutdown()

@@ -26,7 +26,7 @@ from smpart.runtime.ranks import (
     tp_rank,
     tp_size,
 )
-from smpart.runtime.runtime import init, partition_of, set_partition, shutdown
+from smpart.runtime.runtime import init, partition_of, program_of, set_partition, shutdown
 from smpart.runtime.schedule import Schedule, schedule_named
 from smpart.runtime.step_function import step
 from smpart.runtime.timeline import Timeline
@@ -57,6 +57,7 @@ __all__ = [
     "Transport",
     "init",
     "partition_of",
+    "program_of",
     "set_partition",
     "shutdown",
     "step",

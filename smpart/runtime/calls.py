@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from smpart.errors import PipelineError, SmpartError
+from smpart.runtime.program import templates
 from smpart.tensor_parallel import streams
 
 
@@ -64,6 +65,9 @@ class Frame:
     promised: list | None = None
     token: Any = None
     outgoing: tuple[Any, list] | None = None
+    #: A step program's glue (`program.glue`): every module call goes to the endpoint's
+    #: ``glue_call``, which runs a split module here and a whole one on its rank.
+    glue: bool = False
 
     @property
     def stage(self) -> int | None:
@@ -112,6 +116,8 @@ class StagedForward:
             if holds_meta(self.module, recurse=False):
                 raise only_inside_a_step(f"module {self.name!r}")
             return self.run_here(None, args, kwargs)
+        if frame.glue:
+            return frame.endpoint.glue_call(self, args, kwargs)
         if frame.stage != self.stage:
             streams.leave()  # a split region ends where the call leaves its stage (`streams`)
             return frame.endpoint.call(frame, self.stage, self.model, self.name, args, kwargs)
@@ -122,6 +128,17 @@ class StagedForward:
         return self.run_here(frame, args, kwargs)
 
     def run_here(self, frame: Frame | None, args: tuple, kwargs: dict) -> Any:
+        recorder = templates.recording() if frame is not None else None
+        if recorder is not None and recorder.enter(self.model, self.name):
+            try:
+                output = self._forward(frame, args, kwargs)
+            finally:
+                recorder.leave()
+            recorder.record(self.model, self.name, args, kwargs, output, frame.microbatch)  # type: ignore[union-attr]
+            return output
+        return self._forward(frame, args, kwargs)
+
+    def _forward(self, frame: Frame | None, args: tuple, kwargs: dict) -> Any:
         try:
             if self.instance_forward is not None:
                 return self.instance_forward(*args, **kwargs)

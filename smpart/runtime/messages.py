@@ -217,6 +217,9 @@ class StageReport:
     started: list[str] = field(default_factory=list)
     #: ``(this stage, other stage) -> bytes`` of tensors this stage's place sent during the step.
     bytes_sent: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: What the calls this stage ran returned (`program.templates`), for the step programs; None
+    #: when this stage's process is the coordinator's (its templates are there already).
+    templates: dict | None = None
 
 
 @dataclass(slots=True)

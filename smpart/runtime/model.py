@@ -53,6 +53,9 @@ class DistributedModel:
         #: Work waiting for the model to be placed (a checkpoint load under torchrun), run by the
         #: runtime on every rank right after placement.
         self._after_placement: list[Callable[[], None]] = []
+        #: What those loads will write into tensors built on meta, readable before then: each
+        #: returns ``{state dict name: value on the CPU}`` (`state_dict` serves them, later loads win).
+        self._loaded_later: list[Callable[[], dict[str, torch.Tensor]]] = []
         #: State-dict names that such work fills (`load_weights`): no rank needs rank 0's values.
         self._filled_at_placement: set[str] = set()
         #: Whether every rank's copy took the first rank's values (`replicas`), or needs not: placed.
@@ -67,6 +70,9 @@ class DistributedModel:
 
     # ================================================================ running
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        frame = current_frame()
+        if frame is not None and frame.glue:  # a step program: every module call goes through its glue
+            return self.module(*args, **kwargs)
         driver = _driver()
         if driver is not None:
             driver.wait_turn()
@@ -77,6 +83,10 @@ class DistributedModel:
 
     def backward(self, loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:
         """Backward of this micro-batch's ``loss`` through every stage; once per step body."""
+        frame = current_frame()
+        if frame is not None and frame.glue:
+            frame.endpoint.backward(loss, grad)
+            return
         driver = _driver()
         if driver is None:
             raise SmpartError("model.backward(loss) works only inside an @smpart.step function (it starts "
@@ -86,6 +96,7 @@ class DistributedModel:
 
     def _placed(self) -> None:
         pending, self._after_placement = self._after_placement, []
+        self._loaded_later = []
         self._filled_at_placement = set()
         for work in pending:
             work()
@@ -129,8 +140,15 @@ class DistributedModel:
         (``if smpart.rank() == 0: torch.save(model.state_dict(), path)``, between steps or after
         the last): each other stage's rank sends its own entries when it next waits inside the step
         function, its own ``state_dict()`` or ``smpart.shutdown()``, where its parameters hold
-        still. With tensor parallelism it is collective: every rank must call it."""
+        still. With tensor parallelism it is collective: every rank must call it.
+
+        Before the first step of a model built on the meta device, or of one under ``torchrun``
+        that ``load_weights`` waits for: the values the loads waiting for its placement will write
+        (`smpart.load_checkpoint`, ``load_weights``, `load_state_dict`); a tensor on meta no load
+        covers has no value yet, and asking for it raises `SmpartError`."""
         runtime = self._runtime
+        if runtime is None and not self._released and (holds_meta(self.module) or self._loaded_later):
+            return self._state_before_placement()  # built on meta, or a load waits: not placed
         if getattr(runtime, "state_group", None) is None:  # threads, or not placed: every entry is here
             return self._own_state()
         if runtime.layout.tp == 1:
@@ -146,6 +164,25 @@ class DistributedModel:
         merged = {k: v for part in gathered for k, v in part.items()}
         return {k: merged[k] for k in order if k in merged}
 
+    def _state_before_placement(self) -> dict[str, torch.Tensor]:
+        """The state dict of a model not placed yet that was built on meta or has loads waiting for
+        its placement: the values those loads will write (a checkpoint's, read now), else its own,
+        or an error for tensors on meta that have none."""
+        served: dict[str, torch.Tensor] = {}
+        for values in self._loaded_later:
+            served.update(values())
+        own = self.module.state_dict()
+        missing = [k for k, v in own.items() if v.is_meta and k not in served]
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise SmpartError(
+                f"this model was built on the meta device and is not placed yet: {len(missing)} of its "
+                f"tensors ({', '.join(missing[:5])}{more}) have no values until its first step, where each "
+                "stage makes its own (initialised, or loaded by smpart.load_checkpoint / load_weights / "
+                "load_state_dict called before it). Read the state dict after the first step (a "
+                "forward-only step under torch.no_grad() places the model without changing it)")
+        return {k: served[k] if k in served else v.detach().cpu() for k, v in own.items()}
+
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
         """Load a full state dict (from the plain model or `state_dict`); every rank takes its own
         entries (those of other stages are not held here), which land on their stage's device. A
@@ -157,9 +194,12 @@ class DistributedModel:
             if missing or unexpected:
                 raise SmpartError(f"load_state_dict: missing keys {missing[:10]}, unexpected keys "
                                   f"{unexpected[:10]}; is it a state dict of this model?")
-        if self._runtime is None and holds_meta(self.module):
-            # Built on meta: each stage's tensors are made at placement, and take their entries then.
+        if self._runtime is None and (holds_meta(self.module) or self._filled_at_placement):
+            # Built on meta: each stage's tensors are made at placement, and take their entries then
+            # (so does a load after a load_weights waiting for the placement: the later one wins).
             self._after_placement.append(lambda: self.load_state_dict(state_dict, strict=False))
+            self._loaded_later.append(lambda: {k: v.detach().cpu() for k, v in state_dict.items()
+                                               if k in every})
             return nn.modules.module._IncompatibleKeys([], [])
         mine = {k: v for k, v in state_dict.items() if k in held}
         return self.module.load_state_dict(mine, strict=False)

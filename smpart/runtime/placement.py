@@ -122,15 +122,25 @@ def _trace_and_partition(model: nn.Module, args: tuple, kwargs: dict, config: Co
     real = config.trace_device == "real"
     tree = trace(model, args, kwargs, device=None if real else "meta", measure_time=real,
                  param_memory_factor=config.param_memory_factor)
-    return partition(tree, config.pipeline_parallel_degree, memory_weight=config.memory_weight, pin=pins)
+    part = partition(tree, config.partition_stages, memory_weight=config.memory_weight, pin=pins)
+    if config.virtual_stages > 1:  # stage s runs on rank s % pp
+        part.meta["ranks"] = config.pipeline_parallel_degree
+    return part
+
+
+def ranks_of(partition: Partition) -> int:
+    """The pipeline ranks a partition runs on: its stages, or fewer with virtual stages."""
+    return int(partition.meta.get("ranks", partition.num_stages))
 
 
 def module_stages(model: nn.Module, partition: Partition) -> dict[str, int]:
-    """Stage of every module name; a module the tree does not know goes with its parent."""
+    """The pipeline rank (the runtime's stage) of every module name: its partition stage, modulo
+    the ranks with virtual stages; a module the tree does not know goes with its parent."""
+    ranks = ranks_of(partition)
     stages: dict[str, int] = {}
     for name, _ in model.named_modules(remove_duplicate=False):
         try:
-            stages[name] = partition.stage_of(name)
+            stages[name] = partition.stage_of(name) % ranks
         except PartitionError:
             stages[name] = stages.get(name.rpartition(".")[0], 0)
     return stages
@@ -140,8 +150,8 @@ def place(model: nn.Module, model_id: int, partition: Partition, servers: list[S
     """Move each module's own tensors to its stage's device (materialised and initialised there if
     they were built on the meta device, as on processes) and route its calls there (threads: every
     stage's server is here)."""
-    if partition.num_stages != len(servers):
-        raise PartitionError(f"the partition has {partition.num_stages} stages but the runtime runs "
+    if ranks_of(partition) != len(servers):
+        raise PartitionError(f"the partition runs on {ranks_of(partition)} ranks but the runtime runs "
                              f"{len(servers)}; re-partition with num_stages={len(servers)}")
     stages = module_stages(model, partition)
     _index_owners(model)

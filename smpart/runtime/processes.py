@@ -53,6 +53,9 @@ from smpart.runtime.messages import (
     StepResult,
 )
 from smpart.runtime.placement import place_on_rank, unplace
+from smpart.runtime.program import steps as program_steps
+from smpart.runtime.program import templates
+from smpart.runtime.program.messages import PROGRAM, BeginProgram
 from smpart.runtime.replicas import (
     all_gather_objects,
     check_same_model,
@@ -188,11 +191,12 @@ class ProcessRuntime:
         # The tensor-parallel ranks of this stage follow the first one's order of work (`scheduler`).
         shards = [layout.rank_of(self.stage, self.dp_rank, t) for t in range(layout.tp)]
         peers = sorted({*replica, *shards} - {self.rank})
-        self.transport = RoutedTransport(
+        self.transport: RoutedTransport = RoutedTransport(
             lambda deliver: ProcessTransport(self.rank, self.setup.world_size, self.setup.transport_group,
                                              data_groups=self.setup.data_groups, timeout_s=config.timeout_s,
                                              peers=peers, deliver=deliver),
             self.rank, direct=config.direct_dispatch)
+        self.transport.open((self.rank, PROGRAM))  # a program step's transfers to this rank
         self.server = StageServer(self.stage, self.num_stages, self.rank, self.setup.device, self.transport,
                                   self.place_of_stage, rank=self.rank,
                                   tp_followers=shards[1:] if self.tp_rank == 0 else [],
@@ -210,13 +214,15 @@ class ProcessRuntime:
         #: Whether `shutdown` answers the peers' state requests until they leave too (`_await_peers_leaving`).
         self.answer_at_shutdown = True
         self._reducer: GradientReducer | None = None
+        #: Whether this step's gradients were averaged already (a program step's `finish_gradients`).
+        self._reduced = False
         self._reducer_lock = threading.Lock()
         #: Where this rank is in a step's collectives, for the others' errors (`attendance`).
         self.attendance = Attendance(self.rank, self._describe_rank)
         if layout.dp > 1:
             self.server.on_gradients_final = self._start_gradient_sync
         if not self.is_driver:
-            self.server.on_begin = self._take_training_modes
+            self.server.on_begin = self.take_training_modes
         self.steps_taken = 0  # the next step's number; what `Leaving` tells the peers
         self.models: dict[int, DistributedModel] = {}
         self.resident_bytes: dict[int, int] = {}
@@ -225,13 +231,24 @@ class ProcessRuntime:
         if layout.pp > 1 or layout.tp > 1:  # a rank holds part of the gradient: clip by the whole's norm
             torch_clip.install(self)
 
+    def step_ranks(self) -> list[int]:
+        """The ranks that take part in this rank's pipeline steps: every stage and tensor-parallel
+        index of its replica."""
+        layout = self.layout
+        return [layout.rank_of(s, self.dp_rank, t) for s in range(layout.pp) for t in range(layout.tp)]
+
+    def gradients_final(self) -> None:
+        """This rank's gradients are final (a program step's last backward ran): average them."""
+        self._current_reducer().flush()
+
     def place_of_stage(self, stage: int) -> int:
         """The rank of ``stage`` in this rank's replica, with this rank's tensor-parallel index (each
         tensor-parallel rank talks to its peers: their messages are the same)."""
         return self.layout.rank_of(stage, self.dp_rank, self.tp_rank)
 
     # ================================================================ steps
-    def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]]) -> tuple[list[Any], Any]:
+    def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]],
+                 model: Any = None) -> tuple[list[Any], Any]:
         from smpart.runtime.runtime import _in_step, in_a_step
 
         if in_a_step():
@@ -244,22 +261,24 @@ class ProcessRuntime:
                 self._start_alike(pieces)
                 if self.is_driver:
                     self.states.before_step(step)  # its parameters hold still until the step begins
-                    return self._drive(step, fn, pieces)
+                    return self._drive(step, fn, pieces, model)
                 self.states.answer_waiting()  # before the stage may begin the step (`arm`)
                 self.states.done_asking(self.driver_place, step)
-                return self._follow(step)
+                return self._follow(step, fn, model, pieces)
             finally:
                 self.transport.step = None
                 self.steps_taken = step + 1
                 _in_step.active = False
 
-    def _drive(self, step: int, fn: Callable, pieces: list[tuple[tuple, dict]]) -> tuple[list[Any], Any]:
+    def _drive(self, step: int, fn: Callable, pieces: list[tuple[tuple, dict]],
+               model: Any) -> tuple[list[Any], Any]:
         error: BaseException | None = None
         results = timeline = None
         try:
             self._check_replicas_agree(pieces)
             self._begin_gradient_sync()
-            results, timeline = StepRun(self, step, fn, pieces).execute()
+            results, timeline = program_steps.drive(self, step, fn, pieces, model,
+                                            lambda: StepRun(self, step, fn, pieces).execute())
         except BaseException as err:  # noqa: BLE001 - every rank hears of it, then it is raised here
             error = err
         result = StepResult(step, results, timeline, _shippable(error, self.rank))
@@ -272,17 +291,34 @@ class ProcessRuntime:
         self._end_step(error)
         return results, timeline
 
-    def _follow(self, step: int) -> tuple[list[Any], Any]:
-        """Serve (in the stage server's threads) until the driver's rank says the step is over."""
+    def _follow(self, step: int, fn: Callable, model: Any,
+                pieces: list[tuple[tuple, dict]]) -> tuple[list[Any], Any]:
+        """Serve (in the stage server's threads, or this rank's program on this thread) until the
+        driver's rank says the step is over."""
         self._begin_gradient_sync()
         self.server.arm(step)
         timeout_s = self.config.timeout_s
         started = time.monotonic()
         main = (self.rank, MAIN)
+        recorder = templates.Recorder() if self.config.step_programs else None
+        templates.start_recording(recorder)  # a reference step records what its calls return
+        try:
+            return self._serve_step(step, fn, model, pieces, main, started, timeout_s, recorder)
+        finally:
+            templates.start_recording(None)
+
+    def _serve_step(self, step: int, fn: Callable, model: Any, pieces: list, main: Address, started: float,
+                    timeout_s: float, recorder: templates.Recorder | None) -> tuple[list[Any], Any]:
         # A step may take longer than timeout_s (a limit on each wait); give up only when neither the
         # driver's rank answered nor this stage heard anything for that long.
         while time.monotonic() - max(started, self.server.last_activity) < timeout_s:
             message = self._deferred.pop(0) if self._deferred else self.transport.receive(main, POLL_S)
+            if isinstance(message, BeginProgram):
+                templates.start_recording(None)
+                program_steps.follow(self, message, fn, model, pieces)
+                templates.start_recording(recorder)  # a step given up runs again on the reference runtime
+                started = time.monotonic()
+                continue
             if isinstance(message, StateRequest):
                 # Until the step begins here (the driver's rank asking before it begins it), this
                 # rank's parameters hold still; after, they do once the optimizer has stepped.
@@ -335,7 +371,7 @@ class ProcessRuntime:
         return {model_id: bytes(m.training for m in model.module.modules())
                 for model_id, model in self.models.items()}
 
-    def _take_training_modes(self, begin: Any) -> None:
+    def take_training_modes(self, begin: Any) -> None:
         """A step begins: this rank's modules take the driver's rank's training modes, so that
         ``model.eval()`` called there alone (inside ``if smpart.rank() == 0:``) holds for every stage."""
         for model_id, modes in (begin.modes or {}).items():
@@ -373,10 +409,38 @@ class ProcessRuntime:
                                                 attendance=self.attendance, timeout_s=self.config.timeout_s)
             return self._reducer
 
+    def finish_gradients(self, failed: bool) -> int | None:
+        """A program step's end under data parallelism: average the gradients (`GradientReducer`),
+        returning the replica whose step failed, if any; the step's `_end_step` averages no more."""
+        self._reduced = True
+        return self._current_reducer().finish(failed=failed)
+
+    def most_on_replicas(self, code: int) -> int:
+        """The largest ``code`` of the data-parallel replicas (one small all-reduce)."""
+        value = torch.tensor([code], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.setup.dp_control_group)
+        return int(value.item())
+
+    def begin_again(self) -> None:
+        """A program step given up runs again on the reference runtime: its gradients anew."""
+        self._reduced = False
+        self._begin_gradient_sync()
+
+    def replica_failed(self, failing: int) -> PipelineError:
+        return PipelineError(
+            f"the step failed on data-parallel replica {failing} (its ranks raised the error), so it "
+            "fails on every replica: no gradient was averaged. Zero the gradients "
+            "(optimizer.zero_grad()) and go on with the next step", rank=self.rank)
+
     def _end_step(self, error: BaseException | None) -> None:
         """Average the gradients over the data-parallel replicas, then raise the step's error if it
         failed. A step fails on every replica when it fails on one (`data_parallel`): the others
         raise here, naming it. A ``KeyboardInterrupt`` and the like skip the collectives."""
+        reduced, self._reduced = self._reduced, False
+        if reduced:  # a program step averaged them already (`finish_gradients`)
+            if error is not None:
+                raise error
+            return
         if self.layout.dp > 1 and (error is None or isinstance(error, Exception)):
             try:
                 failing = self._current_reducer().finish(failed=error is not None)
@@ -385,10 +449,7 @@ class ProcessRuntime:
                     raise
                 failing = None  # the step's own error says more
             if error is None and failing is not None:
-                error = PipelineError(
-                    f"the step failed on data-parallel replica {failing} (its ranks raised the error), so it "
-                    "fails on every replica: no gradient was averaged. Zero the gradients "
-                    "(optimizer.zero_grad()) and go on with the next step", rank=self.rank)
+                error = self.replica_failed(failing)
         if error is not None:
             raise error
 
@@ -524,13 +585,14 @@ class ProcessRuntime:
         if model._released:  # every rank places it now: each takes back only its new stage's tensors
             self._take_back(model, partition)
         if self.layout.tp > 1:
-            self._split_for_tensor_parallelism(model)
+            self._split_for_tensor_parallelism(model, partition.tree)
             partition = _as_split(partition, model.tensor_parallel_plan)
         seed = (None if model._init_seed is None else
                 initialisation_seed(model._init_seed, model.model_id, self.stage))
         kept = place_on_rank(model.module, model.model_id, partition, self.server,
                              loading=bool(model._after_placement), seed=seed,
                              loaded=model._filled_at_placement)
+        program_steps.placed(model, partition)
         # every rank released the other stages' tensors, or split layers into its shards
         model._released = self.num_stages > 1 or self.layout.tp > 1
         self.resident_bytes[model.model_id] = kept
@@ -539,14 +601,15 @@ class ProcessRuntime:
         self.models[model.model_id] = model
         model._placed()
 
-    def _split_for_tensor_parallelism(self, model: DistributedModel) -> None:
-        """Swap in the tensor-parallel layers the automatic plan chooses; parameters that become
-        shards are new objects, which every optimizer adopts (`placement.remember_replacement`)."""
+    def _split_for_tensor_parallelism(self, model: DistributedModel, tree: Any) -> None:
+        """Swap in the tensor-parallel layers the automatic plan chooses (``tree``, the traced one, lends
+        its recorded calls to prove attention no adapter knows); parameters that become shards are
+        new objects, which every optimizer adopts (`placement.remember_replacement`)."""
         from smpart.runtime.placement import remember_replacement
         from smpart.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel
 
         before = dict(model.module.named_parameters())
-        plan = plan_tensor_parallel(model.module, self.layout.tp)
+        plan = plan_tensor_parallel(model.module, self.layout.tp, example_inputs=tree)
         apply_tensor_parallel(model.module, plan, self.setup.tp_group)
         after = dict(model.module.named_parameters())
         for name, old in before.items():
@@ -579,6 +642,7 @@ class ProcessRuntime:
             self._reducer.remove()
         for model in list(self.models.values()):
             unplace(model.module, self.servers)
+            templates.forget(model.model_id)
             model._runtime = None
         stuck = self.server.stop(timeout_s)
         self.transport.shutdown()

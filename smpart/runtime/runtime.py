@@ -25,6 +25,7 @@ from smpart.config import Config
 from smpart.errors import ConfigError, SmpartError
 from smpart.partition.result import Partition
 from smpart.runtime.placement import choose_devices, make_partition, pins_for, place, unplace
+from smpart.runtime.program import steps, templates
 from smpart.runtime.stage import StageServer
 from smpart.runtime.step_run import StepRun
 from smpart.runtime.transport import ThreadTransport, Transport
@@ -63,7 +64,8 @@ class Runtime:
     def place_of_stage(self, stage: int) -> int:
         return stage
 
-    def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]]) -> tuple[list[Any], Any]:
+    def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]],
+                 model: DistributedModel) -> tuple[list[Any], Any]:
         if in_a_step():
             raise SmpartError("an @smpart.step function was called inside another step (or from a module "
                               "running in one); steps do not nest: call the inner step after the outer "
@@ -71,7 +73,8 @@ class Runtime:
         with self._step_lock:
             _in_step.active = True
             try:
-                return StepRun(self, next(self.steps), fn, pieces).execute()
+                return steps.run_step(self, model, fn, pieces,
+                                      lambda: StepRun(self, next(self.steps), fn, pieces).execute())
             finally:
                 _in_step.active = False
 
@@ -89,6 +92,7 @@ class Runtime:
             partition = partition_for(model, args, kwargs, self.config)
             place(model.module, model.model_id, partition, self.servers)
             model._partition = partition
+            steps.placed(model, partition)
             model._runtime = self
             self.models.add(model)
             model._placed()  # a checkpoint load that waited for the placement of a model built on meta
@@ -96,8 +100,11 @@ class Runtime:
     def shutdown(self, timeout_s: float = 10.0) -> list[str]:
         for model in list(self.models):
             unplace(model.module, self.servers)
+            templates.forget(model.model_id)
             model._runtime = None
         stuck: list[str] = []
+        for thread in self.__dict__.get("program_threads", []):
+            stuck += thread.stop(timeout_s)
         for server in self.servers:
             stuck += server.stop(timeout_s)
         self.transport.shutdown()
@@ -108,7 +115,8 @@ def partition_for(model: DistributedModel, args: tuple, kwargs: dict, config: Co
     """The model's partition: the one it has if it fits this configuration's stage count, else a
     new one from tracing this call (with ``config.pin`` and the `set_partition` pins)."""
     partition = model._partition
-    if partition is None or partition.num_stages != config.pipeline_parallel_degree:
+    if partition is None or partition.num_stages != config.partition_stages or (
+            partition.meta.get("ranks", config.pipeline_parallel_degree) != config.pipeline_parallel_degree):
         pins = pins_for(model.module, config.pin, dict(_module_pins.items()))
         partition = make_partition(model.module, args, kwargs, config, pins)
     return partition
@@ -179,10 +187,23 @@ def set_partition(module: nn.Module, stage: int) -> None:
         raise SmpartError(f"set_partition needs an nn.Module, got {type(module).__name__}")
     if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
         raise SmpartError(f"set_partition: stage must be an int >= 0, got {stage!r}")
-    if _runtime is not None and stage >= _runtime.num_stages:
+    if _runtime is not None and stage >= _runtime.config.partition_stages:
+        stages = _runtime.config.partition_stages
         raise SmpartError(f"set_partition: stage {stage} does not exist, smpart runs "
-                          f"{_runtime.num_stages} pipeline stage(s) (0..{_runtime.num_stages - 1})")
+                          f"{stages} pipeline stage(s) (0..{stages - 1})")
     _module_pins[module] = stage
+
+
+def program_of(model: Any) -> Any:
+    """The step program a `DistributedModel` runs (`smpart.runtime.program.actions.Program`): each
+    rank's list of actions, ``.show()`` as a table, ``.describe()`` as text. Built at the model's
+    second step (the first records it); with several kinds of step (input shapes), the last built."""
+    programs = getattr(model, "_programs", None)
+    program = None if programs is None else programs.last
+    if program is None:
+        raise SmpartError("this model has no step program yet: its first step records one and its second "
+                          "builds it (or steps run on the reference runtime: out.timeline.reason says why)")
+    return program
 
 
 def partition_of(model: Any) -> Partition:

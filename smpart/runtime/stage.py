@@ -76,6 +76,7 @@ from smpart.runtime.messages import (
     StageReport,
     driver_endpoint,
 )
+from smpart.runtime.program import templates
 from smpart.runtime.schedule import BACKWARD, FORWARD, Action, schedule_named
 from smpart.runtime.scheduler import NEW, RESUME, SEGMENT, Cancelled, Claim, StageScheduler, TimedOut
 from smpart.runtime.threads import compute_thread
@@ -579,8 +580,11 @@ class StageServer:
         self._abort(run)  # nothing of this step may still run or wait
         self.run = None
         started = [str(a) for a in run.scheduler.started_order]
+        recorder = templates.recording()
+        recorded = recorder.recorded() if recorder is not None and not self.transport.local(
+            run.driver_place) else None
         report = StageReport(message.step, self.stage, list(run.spans), started,
-                             self._bytes_since(run.bytes_before))
+                             self._bytes_since(run.bytes_before), recorded)
         self.send(run.coordinator, report)
 
     def _abort(self, run: StageStep) -> None:
@@ -824,6 +828,9 @@ class StageServer:
 
     def call(self, frame: Frame, stage: int, model: int, module: str, args: tuple, kwargs: dict) -> Any:
         """A module of this stage calls ``module`` on ``stage``: request it, give the turn back, wait."""
+        recorder = templates.recording()
+        if recorder is not None:
+            recorder.crossing()
         run: StageStep = frame.run
         mb = frame.microbatch
         call_id = new_call_id(self.place)

@@ -37,7 +37,7 @@ class StepFunction:
         pieces = split_arguments(self.fn, args, kwargs, runtime.config.microbatches,
                                  skip=lambda v: isinstance(v, DistributedModel | nn.Module),
                                  non_split=self.non_split_inputs, axes=self.input_split_axes)
-        results, timeline = runtime.run_step(self.fn, pieces)
+        results, timeline = runtime.run_step(self.fn, pieces, model)
         _warn_if_unsplit(self.fn, model)
         return step_outputs(results, timeline)
 

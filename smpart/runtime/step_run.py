@@ -169,6 +169,7 @@ class StepRun:
         timeline.started = {stage: report.started for stage, report in reports.items()}
         timeline.bytes_sent = {pair: size for report in reports.values()
                                for pair, size in report.bytes_sent.items() if size}
+        timeline.templates = [report.templates for report in reports.values() if report.templates]
         return timeline
 
 

@@ -27,6 +27,14 @@ class Timeline:
     started: dict[int, list[str]] = field(default_factory=dict)
     #: ``(src_stage, dst_stage) -> bytes`` of tensors sent between stages during the step.
     bytes_sent: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: ``(src_stage, dst_stage) -> messages`` sent between stages (step programs count them).
+    messages: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: Which runtime ran the step: ``"program"`` (a step program) or ``"reference"``.
+    runtime: str = "reference"
+    #: Why the step ran on the reference runtime, or is a program's discovery (empty otherwise).
+    reason: str = ""
+    #: The step program that ran (`smpart.runtime.program.actions.Program`), if one did.
+    program: Any = None
 
     @classmethod
     def from_spans(cls, spans_by_stage: dict[int, list[tuple[int, str, float, float]]], origin: float,
@@ -61,6 +69,8 @@ class Timeline:
             "bubble_fraction": self.bubble_fraction,
             "events": list(self.events),
             "bytes_sent": [[src, dst, n] for (src, dst), n in sorted(self.bytes_sent.items())],
+            "runtime": self.runtime,
+            "reason": self.reason,
         }
 
     @classmethod
@@ -95,4 +105,5 @@ class Timeline:
 
     def __repr__(self) -> str:
         return (f"Timeline(stages={self.num_stages}, spans={len(self.events)}, "
-                f"duration={self.duration_s * 1e3:.1f} ms, bubble={self.bubble_fraction:.1%})")
+                f"duration={self.duration_s * 1e3:.1f} ms, bubble={self.bubble_fraction:.1%}, "
+                f"runtime={self.runtime})")

@@ -12,8 +12,10 @@ finds those pairs, in this order:
 2. **Attention**, through an adapter that knows where the class keeps its projections and its
    head counts (the zoo's attention, GPT-2, OPT, BERT, Llama, Qwen2, Mixtral, Mistral; add yours
    with `register_attention_adapter`). q and kv heads must both divide by the degree. An
-   attention whose class has no adapter stays whole, with a warning: splitting its projections
-   without fixing its head count would be silently wrong.
+   attention whose class has no adapter (nanoGPT's, timm's, torchtitan's, a research model's)
+   has its heads found, split and proven on the spot by running it alone, split and whole
+   (`smpart.tensor_parallel.heads`, which needs an example of its arguments: the traced call's,
+   from ``example_inputs``); one that cannot be proven stays whole, with a warning.
 3. **MLPs** from structure: among a module's Linear children (in call order, children that wrap
    one Linear included), ``up: d -> h`` then ``down: h -> d`` (or ``gate``, ``up``, ``down``).
    Where the parent's forward can be read by ``torch.fx``, the path from the column outputs to
@@ -27,7 +29,8 @@ finds those pairs, in this order:
 
 A unit (an attention, an MLP) is split as a whole or not at all. Every module left whole for a
 reason a user may not expect gets a ``warnings.warn`` naming it and the reason
-(`TensorParallelWarning`); the plan keeps every decision with its reason and prints as a table.
+(`TensorParallelWarning`), attention modules once per class and reason with their count (not
+once per layer); the plan keeps every decision with its reason and prints as a table.
 
 SMP's controls: `set_tensor_parallelism(module, enabled)` and the context manager
 `tensor_parallelism(enabled)` mark subtrees; ``False`` keeps them whole, ``True`` also splits a
@@ -40,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import operator
+import re
 import sys
 import types
 import warnings
@@ -52,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smpart.tensor_parallel.heads import HeadSplit, find_head_split
 from smpart.tensor_parallel.layers import COLUMN, DIM, ROW, VOCAB, TensorParallelError, _is_conv1d
 from smpart.tracing.tree import INPUT, ModuleTree
 
@@ -112,6 +117,8 @@ class AttentionSplit:
     kv_heads: int
     degree: int
     projections: tuple[str, ...]
+    #: For an attention no adapter knows: how smpart found and localises its heads (`heads`).
+    heads: HeadSplit | None = None
 
 
 @dataclass
@@ -152,7 +159,9 @@ class TensorParallelPlan:
             "decisions": {name: {"style": d.style, "reason": d.reason, "source": d.source,
                                  "gather_output": d.gather_output, "input_is_parallel": d.input_is_parallel,
                                  "fused": d.fused, "unit": d.unit} for name, d in self.decisions.items()},
-            "attention": {name: {"adapter": a.adapter, "q_heads": a.q_heads, "kv_heads": a.kv_heads}
+            "attention": {name: {"adapter": a.adapter, "q_heads": a.q_heads, "kv_heads": a.kv_heads,
+                                 **({"divided": list(a.heads.attributes), "local_width": a.heads.local_width}
+                                    if a.heads is not None else {})}
                           for name, a in self.attention.items()},
             "warnings": list(self.warnings),
         }
@@ -415,6 +424,21 @@ class _PublishedAttention(AttentionAdapter):
         return AttentionLayout(tuple((c, 1) for c in self.columns), self.row, q, kv)
 
 
+class _FoundHeads(AttentionAdapter):
+    """An attention no adapter knows, whose heads `heads.find_head_split` found and proved."""
+
+    name = "heads found by smpart"
+
+    def __init__(self, split: HeadSplit) -> None:
+        self.split = split
+
+    def matches(self, module):
+        return True
+
+    def layout(self, module):
+        return AttentionLayout(self.split.columns, self.split.row, self.split.q_heads, self.split.kv_heads)
+
+
 _ADAPTERS: list[AttentionAdapter] = [_ZooSelfAttention(), _ZooCrossAttention(), _GPT2Attention(),
                                      _OPTAttention(), _BertAttention(), _LlamaAttention()]
 
@@ -567,8 +591,8 @@ def _numel(module: nn.Module) -> int:
 
 class _Planner:
     def __init__(self, model: nn.Module, degree: int, tree: ModuleTree | None, only_marked: bool,
-                 use_published: bool) -> None:
-        self.model, self.degree, self.tree = model, degree, tree
+                 use_published: bool, examples: ModuleTree | None = None) -> None:
+        self.model, self.degree, self.tree, self.examples = model, degree, tree, examples
         self.only_marked, self.use_published = only_marked, use_published
         self.module: dict[str, nn.Module] = dict(model.named_modules())
         self.name_of: dict[int, str] = {id(m): n for n, m in self.module.items()}
@@ -580,6 +604,8 @@ class _Planner:
         self.plan = TensorParallelPlan(degree, type(model).__name__)
         self.handled: set[str] = set()
         self.explained: dict[str, tuple[str, str]] = {}  # name -> (reason, source) of modules left whole
+        #: (class name, reason) -> the attention modules of that class kept whole for that reason.
+        self.class_warnings: dict[tuple[str, str], list[str]] = {}
 
     # ------------------------------------------------------------ helpers
     def _resolve_marks(self) -> dict[str, bool | None]:
@@ -611,6 +637,10 @@ class _Planner:
 
     def warn(self, message: str) -> None:
         self.plan.warnings.append(message)
+
+    def warn_class(self, name: str, module: nn.Module, why: str) -> None:
+        """Say that attention ``name`` stays whole, once per class and reason (`finish`)."""
+        self.class_warnings.setdefault((type(module).__name__, why), []).append(name)
 
     def keep(self, name: str, reason: str, warn: bool = False) -> None:
         if name not in self.explained and name not in self.plan.decisions:
@@ -717,19 +747,38 @@ class _Planner:
                 self._attention(name, module, adapter, source="attention")
                 return
         if looks_like_attention(module) and name not in self.handled:
-            for child in self.children(name):
-                if _kind(self.module[child]) == "linear" and child not in self.handled:
-                    refused = self.refusal(child)
-                    unknown = (f"it projects inside {name} ({type(module).__name__}), an attention smpart "
-                               "has no adapter for (register_attention_adapter teaches it one), so its heads "
-                               "cannot be localised")
-                    self.keep(child, refused or unknown, warn=not refused)
-                    self.handled.add(child)
+            projections = [c for c in self.children(name)
+                           if _kind(self.module[c]) == "linear" and c not in self.handled]
+            refused = next((self.refusal(c) for c in projections if self.refusal(c)), "")
+            found = (find_head_split(module, self.degree, self.example_of(name, module))
+                     if projections and not refused else "")
+            if isinstance(found, HeadSplit):
+                self._attention(name, module, _FoundHeads(found), source="attention", heads=found)
+                return
+            unknown = ("smpart has no adapter for this attention (register_attention_adapter teaches it one) "
+                       f"and could not split its heads itself: {found}")
+            why = (f"its attention {name} is kept whole: a projection is {refused}" if refused else
+                   f"it projects inside {name} ({type(module).__name__}), {unknown}")
+            for child in projections:
+                self.keep(child, self.refusal(child) or why)
+                self.handled.add(child)
+            if projections and not refused:
+                self.warn_class(name, module, unknown)
         self._mlps(name)
         for child in self.children(name):
             self.structure(child)
 
-    def _attention(self, name: str, module: nn.Module, adapter: AttentionAdapter, source: str) -> None:
+    def example_of(self, name: str, module: nn.Module) -> dict[str, Any] | None:
+        """The traced arguments of module ``name``'s first call, when a tree recorded them."""
+        for tree in (self.examples, self.tree):
+            if tree is not None and name in tree:
+                node = tree.node(name)
+                if node.call_inputs is not None and node.class_name == type(module).__name__:
+                    return node.call_inputs
+        return None
+
+    def _attention(self, name: str, module: nn.Module, adapter: AttentionAdapter, source: str,
+                   heads: HeadSplit | None = None) -> None:
         layout = adapter.layout(module)
         projections: list[str] = []
         if isinstance(layout, AttentionLayout):
@@ -749,7 +798,7 @@ class _Planner:
         if why:
             for p in projections:
                 self.keep(p, f"its attention {name} cannot be split exactly: {why}")
-            self.warn(f"{name} ({type(module).__name__}) stays whole: {why}")
+            self.warn_class(name, module, why)
             return
         local = f"{layout.q_heads // self.degree} of {layout.q_heads} q heads"
         if layout.kv_heads != layout.q_heads:
@@ -759,14 +808,14 @@ class _Planner:
         self.decide(projections[-1], ROW, f"attention {name}: output projection, partial sums all-reduced",
                     source, unit=name)
         self.plan.attention[name] = AttentionSplit(name, adapter.name, layout.q_heads, layout.kv_heads,
-                                                   self.degree, tuple(projections))
+                                                   self.degree, tuple(projections), heads)
 
     def _keep_attention(self, name: str, module: nn.Module, why: str) -> None:
         for n, m in self.module.items():
             if n.startswith(f"{name}.") and _kind(m) == "linear":
                 self.keep(n, f"its attention {name} cannot be split: {why}")
                 self.handled.add(n)
-        self.warn(f"{name} ({type(module).__name__}) stays whole: {why}")
+        self.warn_class(name, module, why)
 
     def _attention_problem(self, name: str, layout: AttentionLayout, projections: list[str]) -> str:
         if any(p not in self.module or _kind(self.module[p]) != "linear" for p in projections):
@@ -775,9 +824,9 @@ class _Planner:
             heads = (_count(layout.q_heads, "head") if layout.q_heads == layout.kv_heads
                      else f"{layout.q_heads} q heads and {layout.kv_heads} kv heads")
             return f"{heads} cannot be shared out evenly over tensor-parallel degree {self.degree}"
-        for (_, fused), p in zip(layout.columns, projections, strict=False):
+        for (path, fused), p in zip(layout.columns, projections, strict=False):
             if not self.divides(_out_features(self.module[p]), fused):
-                return (f"{p} has {_out_features(self.module[p])} output features, not divisible into "
+                return (f"its {path} has {_out_features(self.module[p])} output features, not divisible into "
                         f"{fused} x {self.degree}")
         return ""
 
@@ -807,12 +856,23 @@ class _Planner:
         i = 0
         while i < len(run):
             for width in (3, 2):
-                group = run[i:i + width]
+                group = self._down_last(run[i:i + width])
                 if len(group) == width and self._mlp_shape(group) and self._mlp(parent, group):
                     i += width
                     break
             else:
                 i += 1
+
+    def _down_last(self, group: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """A gated triple with its down projection registered between the others (torchtitan's
+        ``w1``, ``w2``, ``w3``, called ``w1``, ``w3``, ``w2``) in the order it runs."""
+        if len(group) != 3 or self._mlp_shape(group):
+            return group
+        for down in range(2):
+            reordered = [g for j, g in enumerate(group) if j != down] + [group[down]]
+            if self._mlp_shape(reordered):
+                return reordered
+        return group
 
     def _mlp_shape(self, group: list[tuple[str, str]]) -> bool:
         mods = [self.module[n] for n, _ in group]
@@ -1003,6 +1063,12 @@ class _Planner:
 
     # ------------------------------------------------------------ the result
     def finish(self) -> TensorParallelPlan:
+        for (class_name, why), names in self.class_warnings.items():
+            if len(names) == 1:
+                self.warn(f"{names[0]} ({class_name}) stays whole: {why}")
+            else:
+                self.warn(f"{len(names)} {class_name} modules stay whole ({_names_together(names)}): {why}")
+        self.class_warnings.clear()
         for name, m, _ in self.leaves():
             if name not in self.plan.decisions:
                 reason, source = self.explained.get(name, ("not reached by any rule", NONE))
@@ -1011,6 +1077,15 @@ class _Planner:
         order = {n: i for i, n in enumerate(self.module)}
         self.plan.decisions = dict(sorted(self.plan.decisions.items(), key=lambda kv: order[kv[0]]))
         return self.plan
+
+
+def _names_together(names: list[str], shown: int = 3) -> str:
+    """``h.0.attn ... h.11.attn`` for names that differ in one number only, else the first few."""
+    shapes = {re.sub(r"\.\d+\.", ".#.", n, count=1) for n in names}
+    if len(shapes) == 1 and "#" in next(iter(shapes)):
+        return f"{names[0]} ... {names[-1]}"
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _count(n: int, what: str) -> str:
@@ -1034,6 +1109,7 @@ def plan_tensor_parallel(
     use_published: bool = True,
     require_split: bool = True,
     warn: bool = True,
+    example_inputs: ModuleTree | None = None,
 ) -> TensorParallelPlan:
     """Decide, for every Linear / Conv1D / Embedding of ``model``, how ``degree`` ranks split it.
 
@@ -1042,6 +1118,10 @@ def plan_tensor_parallel(
     ``use_published``: follow the model's own Hugging Face plan where it has one.
     ``require_split``: raise `TensorParallelError` when ``degree > 1`` splits nothing at all.
     ``warn``: emit the plan's warnings (`TensorParallelWarning`); they are in ``plan.warnings`` anyway.
+    ``example_inputs``: a traced tree whose nodes recorded their calls' arguments
+    (``call_inputs``), used only to run an attention no adapter knows alone and prove its split
+    (``tree``'s are used when it is given); without either, such an attention is tried on one
+    made-up input of its width.
 
     Needs only shapes, so a model on the meta device plans as well as a real one.
     """
@@ -1049,7 +1129,7 @@ def plan_tensor_parallel(
         raise TensorParallelError(f"plan_tensor_parallel needs an nn.Module, got {type(model).__name__}")
     if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
         raise TensorParallelError(f"the tensor-parallel degree must be a positive int, got {degree!r}")
-    planner = _Planner(model, degree, tree, only_marked, use_published)
+    planner = _Planner(model, degree, tree, only_marked, use_published, example_inputs)
     if degree == 1:
         for name, _, _ in planner.leaves():
             planner.keep(name, "tensor-parallel degree 1")

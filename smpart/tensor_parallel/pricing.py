@@ -17,7 +17,9 @@ reads without torch:
   an all-reduce of the same tensor does.
 
 The runtime calls `plan_tensor_parallel(model, degree)` without a tree, so the decisions here
-are made the same way; the tree only maps them onto nodes.
+are made the same way; the tree only maps them onto nodes, and lends its recorded calls
+(``example_inputs``) to the proof of an attention no adapter knows, as the runtime lends it the
+partition's tree.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def record_split_shares(tree: ModuleTree, model: nn.Module,
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", TensorParallelWarning)
-                plan = plan_tensor_parallel(model, degree, require_split=False, warn=False)
+                plan = plan_tensor_parallel(model, degree, require_split=False, warn=False,
+                                            example_inputs=tree)
         except TensorParallelError:  # the runtime could not split it either: the degree splits nothing
             continue
         for name, share in splittable_fraction(plan, tree, model).items():

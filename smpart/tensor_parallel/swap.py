@@ -6,7 +6,8 @@ rank's shard *of the weights the module holds now*, so ranks that start from the
 weights (same seed, or one checkpoint) end up with consistent shards and no communication is
 needed. Tied weights become one distributed parameter shared by the modules that tie them.
 Then each split attention is localised through its adapter (its head counts divided by the
-degree, so its reshapes see the local heads).
+degree, so its reshapes see the local heads), or, for one no adapter knows, as the plan found and
+proved it (`smpart.tensor_parallel.heads`).
 
 The model keeps its structure and parameter names; parameters of split modules become
 DTensors of the original global shape (see `smpart.tensor_parallel.layers`).
@@ -20,6 +21,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from smpart.tensor_parallel import heads
 from smpart.tensor_parallel.layers import (
     COLUMN,
     DIM,
@@ -87,7 +89,7 @@ def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, group: Any
             report.replaced[alias] = decision.style
     report.shared = [names for pid, names in owners.items() if pid in shared and len(names) > 1]
     for name in plan.attention:
-        report.attention[name] = _localize(modules[name], plan, name)
+        report.attention[name] = _localize(modules[name], plan, name, mesh.get_group())
     return report
 
 
@@ -129,8 +131,11 @@ def _parameter_owners(model: nn.Module) -> dict[int, tuple[str, ...]]:
     return {pid: tuple(names) for pid, names in owners.items()}
 
 
-def _localize(module: nn.Module, plan: TensorParallelPlan, name: str) -> dict[str, tuple[Any, Any]]:
+def _localize(module: nn.Module, plan: TensorParallelPlan, name: str,
+              group: Any) -> dict[str, tuple[Any, Any]]:
     split = plan.attention[name]
+    if split.heads is not None:  # an attention no adapter knows: its heads as smpart found them
+        return heads.localize(module, split.heads, plan.degree, group)
     adapter = adapter_named(split.adapter)
     if adapter is None:
         if split.adapter != _Published.name:

@@ -193,6 +193,7 @@ def _make_node(
         saved_bytes=sum(stats[i].saved_bytes for i in members),
         time_s=None,
         checkpoint_bytes=sum(kept) if kept else None,
+        call_inputs=next((stats[i].call_inputs for i in members if stats[i].call_inputs is not None), None),
     )
 
 

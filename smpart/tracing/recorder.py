@@ -31,6 +31,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from smpart.tracing.call_inputs import describe_call
+
 #: Module index used as the source of the model's own example inputs.
 INPUT_INDEX = -1
 
@@ -54,6 +56,8 @@ class CallStats:
     #: calls, plus model outputs it returned (None: not counted).
     checkpoint_bytes: int | None = None
     seconds: float = 0.0
+    #: Its first call's arguments, described (`smpart.tracing.call_inputs.describe_call`).
+    call_inputs: dict[str, Any] | None = None
 
 
 class _Frame:
@@ -153,6 +157,7 @@ class CallRecorder:
             stats.first_call = self._first_calls
             self._first_calls += 1
             stats.called_as = self._name_seen_from(i, caller)
+            stats.call_inputs = describe_call(args, kwargs)
         stats.calls += 1
         inputs = tensors_in((args, kwargs))
         if self.kept_bytes is not None:

@@ -117,6 +117,9 @@ class ModuleNode:
     #: Tensor-parallel degree -> what a split of that degree divides (see `SplitShare`); a degree
     #: recorded on the tree but absent here splits nothing of this node.
     tp_split: dict[int, SplitShare] = field(default_factory=dict)
+    #: The arguments of the first call of the node's first-called module, described: tensors' shapes
+    #: and dtypes, plain values (`smpart.tracing.call_inputs`); None when unknown.
+    call_inputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -161,6 +164,8 @@ class ModuleNode:
         }
         if self.tp_split:
             out["tp_split"] = {str(d): dataclasses.asdict(s) for d, s in self.tp_split.items()}
+        if self.call_inputs is not None:
+            out["call_inputs"] = self.call_inputs
         out["children"] = [child.to_dict() for child in self.children]
         return out
 

@@ -1,0 +1,215 @@
+"""Step programs under ``torchrun``: one process per rank, each running its list of actions on its
+main thread; with data and tensor parallelism; failures named as on the reference runtime."""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import pytest
+import torch
+
+import smpart
+from examples.models import ZOO
+from tests.launch import run_ranks, values
+from tests.test_runtime import reference_step, train_step
+
+TOL = 1e-6
+
+
+def _train(rank, pp, tp, name, steps=4):
+    """pp x tp x dp (dp from the world size), SGD, against the unsplit model on the global batch;
+    which runtime ran each step, and the worst difference of the final state."""
+    dp = int(os.environ["WORLD_SIZE"]) // (pp * tp)
+    torch.manual_seed(0)
+    example = ZOO[name](dtype=torch.float64)
+    reference = copy.deepcopy(example.model)
+    smpart.init(pipeline_parallel_degree=pp, tensor_parallel_degree=tp, microbatches=2, timeout_s=60)
+    model = smpart.DistributedModel(example.model)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    runtimes, losses = [], []
+    for step in range(steps):
+        args, kwargs, target = example.batch(4 * dp, seed=step)
+        mine = slice(smpart.dp_rank() * 4, (smpart.dp_rank() + 1) * 4)
+        out = train_step(model, example, [a[mine] for a in args], {k: v[mine] for k, v in kwargs.items()},
+                         target[mine])
+        expected = reference_step(reference, example, args, kwargs, target, 2 * dp)
+        mine_expected = expected[2 * smpart.dp_rank():2 * smpart.dp_rank() + 2]
+        losses.append((out.stack() - mine_expected).abs().max().item())
+        runtimes.append(out.timeline.runtime)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = model.state_dict()
+    worst = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    messages = dict(out.timeline.messages)
+    return runtimes, max(losses), worst, messages
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("pp", "tp", "world"), [(2, 1, 2), (2, 1, 4), (1, 2, 2), (2, 2, 4)],
+                         ids=["pp2", "pp2xdp2", "tp2", "pp2xtp2"])
+def test_programs_run_on_processes_with_data_and_tensor_parallelism(pp, tp, world):
+    for runtimes, loss, worst, messages in values(run_ranks(_train, world, pp, tp, "gpt2", timeout_s=280)):
+        assert runtimes == ["reference", "program", "program", "program"], runtimes
+        assert loss <= TOL and worst <= TOL, (loss, worst)
+        if pp == 2:  # every message of the step's path: activations and their gradients
+            assert set(messages) == {(0, 1), (1, 0)}, messages
+
+
+class _Boom(torch.nn.Linear):
+    fail = False
+
+    def forward(self, x):
+        if self.fail:
+            raise ValueError("boom on the second stage")
+        return super().forward(x)
+
+
+def _fails_then_runs(rank):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), _Boom(8, 4)).double()
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=30, pin={"": 0, "0": 0, "1": 0, "2": 1})
+    dm = smpart.DistributedModel(model)
+
+    @smpart.step
+    def step(model, x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.tensor([0, 1, 2, 3])
+    for _ in range(3):
+        step(dm, x, y)
+        dm.zero_grad()
+    model[2].fail = True
+    started = time.monotonic()
+    try:
+        step(dm, x, y)
+        caught = None
+    except smpart.PipelineError as err:
+        caught = (err.stage, err.module, err.microbatch, str(err))
+    took = time.monotonic() - started
+    model[2].fail = False
+    dm.zero_grad()
+    after = step(dm, x, y).timeline.runtime
+    return caught, took, after
+
+
+@pytest.mark.timeout(180)
+def test_a_module_error_in_a_program_step_is_named_on_every_rank_and_the_next_step_runs():
+    for caught, took, after in values(run_ranks(_fails_then_runs, 2, timeout_s=170)):
+        assert caught is not None
+        stage, module, microbatch, text = caught
+        assert (stage, module, microbatch) == (1, "2", 0), caught
+        assert "boom on the second stage" in text and "[F0]" in text
+        assert took < 30
+        assert after == "program"
+
+
+def _one_dies(rank):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double()
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=300,
+                pin={"": 0, "0": 0, "1": 0, "2": 1})
+    dm = smpart.DistributedModel(model)
+
+    @smpart.step
+    def step(model, x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if smpart.rank() == 1 and os.environ.get("SMPART_TEST_DIE") == "now":
+            os._exit(3)  # the second rank's process dies in the middle of a program step
+        model.backward(loss)
+        return loss
+
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.tensor([0, 1, 2, 3])
+    for _ in range(3):
+        step(dm, x, y)
+        dm.zero_grad()
+    os.environ["SMPART_TEST_DIE"] = "now"
+    started = time.monotonic()
+    try:
+        step(dm, x, y)
+    except smpart.SmpartError as err:
+        return time.monotonic() - started, str(err)
+    return None
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_dies_during_a_program_step_is_named_by_the_others_within_a_minute():
+    results = run_ranks(_one_dies, 2, timeout_s=170)
+    first = results[0]
+    assert results[1].exitcode == 3
+    assert first.error is None and first.value is not None, first
+    took, text = first.value
+    assert took < 60, took
+    assert "rank 1" in text, text
+
+
+class _Branch(torch.nn.Module):
+    """The root takes a detour through ``extra`` (on the other stage) for a rare input: the
+    program recorded without it cannot run a micro-batch that takes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8)
+        self.extra = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        if x[0, 0].item() > 5.0:
+            h = self.extra(h)
+        return self.head(h)
+
+
+def _one_replica_diverges(rank):
+    torch.manual_seed(0)
+    model = _Branch().double()
+    reference = copy.deepcopy(model)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60,
+                pin={"": 0, "first": 0, "extra": 1, "head": 1})
+    dm = smpart.DistributedModel(model)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    @smpart.step
+    def step(model, x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    seen, worst = [], 0.0
+    for i in range(6):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randint(4, (8,), generator=g)
+        if i == 3:
+            x[4, 0] = 9.0  # the first micro-batch of replica 1 takes the detour
+        mine = slice(4 * smpart.dp_rank(), 4 * smpart.dp_rank() + 4)
+        out = step(dm, x[mine], y[mine])
+        losses = []
+        for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True):
+            loss = torch.nn.functional.cross_entropy(reference(xs), ys)
+            (loss / 4).backward()
+            losses.append(loss.detach())
+        worst = max(worst, (out.stack() - torch.stack(losses)[2 * smpart.dp_rank():][:2]).abs().max().item())
+        seen.append((out.timeline.runtime, out.timeline.reason))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    full = dm.state_dict()
+    worst = max([worst] + [(full[k] - v).abs().max().item() for k, v in reference.state_dict().items()])
+    return seen, worst
+
+
+@pytest.mark.timeout(240)
+def test_a_program_that_diverges_on_one_replica_runs_again_on_the_reference_runtime_on_all():
+    for seen, worst in values(run_ranks(_one_replica_diverges, 4, timeout_s=230)):
+        assert worst <= TOL, worst
+        runtimes = [runtime for runtime, _ in seen]
+        assert runtimes == ["reference", "program", "program", "reference", "program", "program"], seen
+        assert "diverged" in seen[3][1], seen[3]

@@ -11,6 +11,15 @@ bound counts every node, internal ones included) for:
 * **params**: layers cut so that parameter counts balance (DeepSpeed's ``"parameters"``);
 * **seconds**: how long ``smpart.partition`` took.
 
+A second table cuts the same models into 4 stages on devices of unequal speed
+(``partition(..., devices=...)``, speeds 1:1:2:2 in pipeline order, and 2:2:1:1) and prints
+``slowest stage's time / max(total / total speed, heaviest node / fastest speed)``, each stage's
+time being its compute over its device's speed. Where that bound cannot be reached by any
+partition the pipeline's order allows, it says so: for a model of at most 10 leaf units the
+exact optimum under smpart's rules (every placement of the units tried: ordered units on
+non-decreasing stages, no stage empty), and a first unit so heavy that stage 0 alone exceeds the
+bound is named.
+
 "Layers" for the two baselines are what a DeepSpeed / Megatron user would list: the tree is
 opened along the path to its widest node (``transformer.h``, a ResNet stage's block list) and
 everything else stays whole, so a GPT becomes ``[wte, wpe, h.0, ..., h.N, ln_f]``.
@@ -26,13 +35,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from examples import models  # noqa: E402
+from smpart.devices import DeviceType  # noqa: E402
 from smpart.partition.api import partition  # noqa: E402
+from smpart.partition.partitioner import _anchors, _leaf_units, _unit_costs  # noqa: E402
 from smpart.partition.result import Partition  # noqa: E402
+from smpart.partition.reuse import loop_unit_names  # noqa: E402
 from smpart.partition.segment import min_max_segments  # noqa: E402
 from smpart.tracing.tracer import trace  # noqa: E402
 from smpart.tracing.tree import ModuleNode, ModuleTree  # noqa: E402
@@ -61,10 +74,12 @@ def main() -> None:
     columns = ("model", "nodes", "stages", "smpart", "method", "tree walk", "uniform", "params", "seconds")
     for column in columns:
         table.add_column(column, justify="left" if column in ("model", "method") else "right")
+    trees = {}
     for name, factory in models.ZOO.items():
         device = REAL_DEVICE.get(name, "meta")
         example = factory(**SIZES.get(name, {}), device=device)
-        tree = trace(example.model, example.args, example.kwargs, device=None if device != "meta" else "meta")
+        tree = trees[name] = trace(example.model, example.args, example.kwargs,
+                                   device=None if device != "meta" else "meta")
         layers = baseline_layers(tree)
         for stages in STAGES:
             start = time.perf_counter()
@@ -87,6 +102,63 @@ def main() -> None:
     console.print(table)
     models_named = ", ".join(sorted(TRANSFORMERS))
     console.print(f"goal: smpart <= 1.05 on the transformer models ({models_named}) at 4 stages")
+    console.print(unequal_table(trees))
+    console.print("goal: <= 1.05 at speeds 1:1:2:2 (issue 37); the last column says where no partition can")
+
+
+#: Relative speeds of the 4 stages, in pipeline order.
+SPEEDS = ((1, 1, 2, 2), (2, 2, 1, 1))
+#: Leaf units up to which the exact optimum under the partitioner's rules is found by trying them all.
+EXACT_UNITS = 10
+
+
+def unequal_table(trees: dict[str, ModuleTree]) -> Table:
+    table = Table(title="4 stages on devices of unequal speed: slowest stage time / lower bound, "
+                        "memory_weight=0")
+    for column in ("model", "speeds", "smpart", "method", "seconds", "what bounds it"):
+        left = column in ("model", "method", "what bounds it")
+        table.add_column(column, justify="left" if left else "right")
+    for name, tree in trees.items():
+        for speeds in SPEEDS:
+            devices = [DeviceType(f"x{v}", 100.0 * v, 1 << 60) for v in speeds]  # memory never binds
+            start = time.perf_counter()
+            part = partition(tree, 4, memory_weight=0.0, devices=devices)
+            seconds = time.perf_counter() - start
+            relative = [v / max(speeds) for v in speeds]
+            times = [c / v for c, v in zip(part.stage_compute, relative, strict=True)]
+            bound = max(tree.total_compute() / sum(relative),
+                        max(tree.compute_of(n) for n in tree.nodes()) / max(relative))
+            ratio = max(times) / bound
+            goal = name in TRANSFORMERS and speeds == SPEEDS[0]
+            shown = f"[{'green' if ratio <= 1.05 else 'red'}]{ratio:.3f}[/]" if goal else f"{ratio:.3f}"
+            table.add_row(name if speeds == SPEEDS[0] else "", ":".join(map(str, speeds)), shown,
+                          part.meta["method"], f"{seconds:.3f}",
+                          _reachable(tree, relative, max(times), bound) if ratio > 1.05 else "")
+        table.add_section()
+    return table
+
+
+def _reachable(tree: ModuleTree, speeds: list[float], achieved: float, bound: float) -> str:
+    """Why the bound is out of reach, when that can be shown: the exact optimum of few units, or
+    a first unit (stage 0's by the pipeline's order) too heavy for stage 0's device."""
+    units = _leaf_units(tree.root, {})
+    costs = _unit_costs(_anchors(tree.root, {}, units), {n.name: tree.compute_of(n) for n in tree.nodes()})
+    first = costs[units[0].name] / speeds[0]
+    if first > bound * 1.05:
+        return f"its first unit {units[0].name} alone takes {first / bound:.3f}× the bound on stage 0"
+    if len(units) > EXACT_UNITS:
+        return ""
+    loop = loop_unit_names(tree.root, units)
+    ordered = np.array([u.name not in loop for u in units])
+    cost = np.array([costs[u.name] for u in units])
+    every = np.array(np.meshgrid(*[range(4)] * len(units), indexing="ij")).reshape(len(units), -1).T
+    along = every[:, ordered]
+    keep = np.all(np.diff(along, axis=1) >= 0, axis=1) & np.all(
+        [(every == s).any(axis=1) for s in range(4)], axis=0)
+    loads = np.stack([((every == s) * cost).sum(axis=1) / speeds[s] for s in range(4)], axis=1)
+    best = loads[keep].max(axis=1).min()
+    met = "met" if achieved <= best * (1 + 1e-9) else "missed"
+    return f"exact optimum of its {len(units)} units: {best / bound:.3f} ({met})"
 
 
 def lower_bound(tree: ModuleTree, stages: int) -> float:

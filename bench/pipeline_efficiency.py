@@ -44,7 +44,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smpart  # noqa: E402
-from bench.processes import RankPool, _timed  # noqa: E402
+from bench.processes import RankPool, _timed, pipelining_step  # noqa: E402
 
 
 class SleepKernel(torch.autograd.Function):
@@ -149,12 +149,7 @@ def on_rank_torch(rank: int, schedule: str, stages: int, microbatches: int, seco
     target = torch.zeros(microbatches)  # split like x; the loss ignores it
 
     def one_step() -> None:
-        if rank == 0:
-            pipeline.step(x)
-        elif rank == stages - 1:
-            pipeline.step(target=target)
-        else:
-            pipeline.step()
+        pipelining_step(pipeline, rank, stages, x, target)
 
     torch.distributed.barrier()
     usage: dict[str, Any] = {}

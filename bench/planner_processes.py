@@ -108,11 +108,15 @@ NOMINAL = {"bandwidth": 10 * GBPS, "microbatch_overhead_s": 0.0, "message_latenc
 
 # ================================================================================= the model
 _OVERSHOOT = [None]
+#: How much slower this process's emulated device is than the reference one: every sleep is
+#: stretched by it (`bench/mixed_devices.py` sets it per rank to play slower device types).
+SLOWDOWN = [1.0]
 
 
 def _sleep(seconds: float) -> None:
     """``time.sleep`` less its typical overshoot on this machine (measured once per process), so
-    that thousands of short sleeps add up to what was asked."""
+    that thousands of short sleeps add up to what was asked; stretched by `SLOWDOWN`."""
+    seconds *= SLOWDOWN[0]
     if seconds <= 0:
         return
     if _OVERSHOOT[0] is None:
@@ -300,15 +304,19 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 # ================================================================================= the runs
-def run_config(rank: int, spec: tuple, config: smpart.Config, warmup: int, steps: int) -> list[float]:
-    """Rank 0's warm step times of ``kind`` under ``config`` (every rank runs it)."""
+def run_config(rank: int, spec: tuple, config: smpart.Config, warmup: int, steps: int,
+               global_batch: int = GLOBAL_BATCH, emulated: list[tuple[str, float]] | None = None
+               ) -> list[float]:
+    """Rank 0's warm step times of ``kind`` under ``config`` (every rank runs it). Each data-parallel
+    replica takes its share of the global batch (`smpart.ReplicaBatchSampler`). ``emulated[rank]``:
+    the device type this rank plays (declared as ``SMPART_DEVICE_TYPE``) and its slowdown."""
+    if emulated is not None:
+        os.environ["SMPART_DEVICE_TYPE"], SLOWDOWN[0] = emulated[rank]
     smpart.init(config.replace(timeout_s=120.0))
     try:
         model = smpart.DistributedModel(build(spec))
-        dp, mine = smpart.dp_size(), smpart.dp_rank()
-        x = torch.randn(GLOBAL_BATCH, D, generator=torch.Generator().manual_seed(1))
-        per = GLOBAL_BATCH // dp
-        x = x[mine * per:(mine + 1) * per]
+        x = torch.randn(global_batch, D, generator=torch.Generator().manual_seed(1))
+        x = x[next(iter(smpart.ReplicaBatchSampler(global_batch, global_batch)))]
 
         @smpart.step
         def train_step(model, x):
@@ -327,6 +335,8 @@ def run_config(rank: int, spec: tuple, config: smpart.Config, warmup: int, steps
         return times
     finally:
         smpart.shutdown()
+        SLOWDOWN[0] = 1.0
+        os.environ.pop("SMPART_DEVICE_TYPE", None)
 
 
 def measure_round(pool: RankPool, spec: tuple, configs: dict, r: int, warmup: int, steps: int,

@@ -465,6 +465,17 @@ def run_torch(rank: int, schedule: str, warmup: int, steps: int) -> dict[str, An
     return {"times": times, "loss": torch.stack(losses).mean().item() if losses else None, **usage}
 
 
+def pipelining_step(schedule: Any, rank: int, stages: int, x: torch.Tensor, target: torch.Tensor) -> None:
+    """One step of a torch.distributed.pipelining schedule with one stage per rank: the first
+    stage's rank feeds the batch, the last one's the target, the others neither."""
+    if rank == 0:
+        schedule.step(x)
+    elif rank == stages - 1:
+        schedule.step(target=target)
+    else:
+        schedule.step()
+
+
 def run_unsplit(warmup: int, steps: int, microbatched: bool,
                 usage: dict[str, float] | None = None) -> list[float]:
     model = make_model()

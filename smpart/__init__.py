@@ -57,6 +57,7 @@ from smpart.runtime import (
 )
 from smpart.runtime.activation_checkpointing import set_activation_checkpointing
 from smpart.runtime.boundary import register_carried_state
+from smpart.runtime.shares import ReplicaBatchSampler, replica_batch_size, replica_batch_sizes
 from smpart.tensor_parallel import record_split_shares, set_tensor_parallelism, tensor_parallelism
 
 # isort: split
@@ -144,6 +145,9 @@ __all__ = [
     "set_tensor_parallelism",
     "tensor_parallelism",
     "register_carried_state",
+    "ReplicaBatchSampler",
+    "replica_batch_size",
+    "replica_batch_sizes",
     "save_checkpoint",
     "load_checkpoint",
     "load_weights",

@@ -4,6 +4,7 @@
 ``Example`` (with ``.model``, ``.args``, ``.kwargs``) or a tuple ``(model, args[, kwargs])``::
 
     smpart partition examples.models:gpt2 --stages 4 --memory-weight 0.5 --json part.json
+    smpart partition examples.models:gpt2 --stages 4 --devices V100,V100,A100,A100
     smpart trace examples.models:gpt2
     smpart show part.json
     smpart demo
@@ -69,6 +70,11 @@ def _add_partition(sub: Any) -> None:
     p.add_argument(
         "--pin", action="append", default=[], metavar="MODULE=STAGE", help="fix a module to a stage (repeat)"
     )
+    p.add_argument(
+        "--devices", metavar="TYPE,TYPE,...",
+        help="each stage's device type, in pipeline order (presets such as V100,V100,A100,A100): "
+             "stages balanced by time on their own device, within its memory",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the partition as JSON")
     _add_view_arguments(p)
     _add_html_arguments(p)
@@ -77,7 +83,9 @@ def _add_partition(sub: Any) -> None:
 
 def _cmd_partition(args: argparse.Namespace, console: Console) -> None:
     tree = trace_factory(args.model, device=args.device)
-    part = partition(tree, args.stages, memory_weight=args.memory_weight, pin=parse_pins(args.pin))
+    devices = [d.strip() for d in args.devices.split(",")] if args.devices else None
+    part = partition(tree, args.stages, memory_weight=args.memory_weight, pin=parse_pins(args.pin),
+                     devices=devices)
     part.meta["model"] = args.model
     _present_partition(part, args, console)
     if args.json:

@@ -7,10 +7,12 @@ through `Config.from_any`, which names the bad key or value and what would be ac
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from smpart.devices import as_device_type
 from smpart.errors import ConfigError
 
 #: Schedule names: the field's names and SMP's aliases (simple = gpipe, interleaved = 1f1b).
@@ -40,6 +42,17 @@ class Config:
     tensor_parallel_degree: int = 1
     #: None: derived from the world size (world = pp x tp x dp); 1 on threads.
     data_parallel_degree: int | None = None
+    #: Relative batch share of each data-parallel replica, e.g. ``[1, 2]`` (replicas on devices of
+    #: unequal speed): replica ``r`` is fed ``shares[r] / sum(shares)`` of every step's global
+    #: batch, split into as many micro-batches as the others (each proportionally larger), and
+    #: the gradients are averaged weighted by samples, as one process on the global batch would.
+    #: `smpart.ReplicaBatchSampler` feeds each replica its share. None: equal shares.
+    data_parallel_shares: list[float] | None = None
+    #: The device type each rank is meant to run on, in ``torchrun``'s rank order (one per stage on
+    #: threads): preset names such as ``"V100"`` or ``{"name", "tflops", "memory_gib"}`` dicts. A
+    #: plan for a mixed cluster sets it. Stages are cut for them (each on its slowest type), and
+    #: under ``torchrun`` init refuses a launch whose ranks run on other types, naming them.
+    device_types: list[Any] | None = None
     #: How ranks map onto the mesh: "cluster" keeps a tensor-parallel group on adjacent ranks
     #: (inside one node), "spread" puts adjacent ranks in different tensor-parallel groups.
     placement_strategy: str = "cluster"
@@ -136,6 +149,8 @@ class Config:
             _positive_int(name, getattr(self, name))
         if self.data_parallel_degree is not None:
             _positive_int("data_parallel_degree", self.data_parallel_degree)
+        self._validate_shares()
+        self._validate_device_types()
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ConfigError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
                               f"got {self.placement_strategy!r}")
@@ -179,6 +194,36 @@ class Config:
             raise ConfigError(f"param_memory_factor must be > 0, got {self.param_memory_factor}")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+    def _validate_shares(self) -> None:
+        shares = self.data_parallel_shares
+        if shares is None:
+            return
+        if not isinstance(shares, list | tuple) or not shares or not all(
+                isinstance(s, int | float) and not isinstance(s, bool) and math.isfinite(s) and s > 0
+                for s in shares):
+            raise ConfigError(f"data_parallel_shares must be a list of positive numbers, one per "
+                              f"data-parallel replica (e.g. [1, 2]), got {shares!r}")
+        if self.data_parallel_degree is not None and len(shares) != self.data_parallel_degree:
+            raise ConfigError(f"data_parallel_shares lists {len(shares)} share(s) for data_parallel_degree="
+                              f"{self.data_parallel_degree}; give one per replica")
+
+    def _validate_device_types(self) -> None:
+        kinds = self.device_types
+        if kinds is None:
+            return
+        if not isinstance(kinds, list | tuple) or not kinds:
+            raise ConfigError(f"device_types must be a list with one device type per rank, got {kinds!r}")
+        for index, kind in enumerate(kinds):
+            try:
+                as_device_type(kind)
+            except ConfigError as err:
+                raise ConfigError(f"device_types[{index}]: {err}") from None
+        ranks = self.pipeline_parallel_degree * self.tensor_parallel_degree * (self.data_parallel_degree or 1)
+        if self.data_parallel_degree is not None and len(kinds) != ranks:
+            raise ConfigError(f"device_types lists {len(kinds)} type(s) for pp x tp x dp = {ranks} ranks; "
+                              "give one per rank, in torchrun's rank order")
 
 
 def _positive_int(name: str, value: Any) -> None:

@@ -8,8 +8,9 @@ the process's exit code.
 
 The processes come from a fork server (`CONTEXT`) that imported torch once, so a rank starts in
 a fraction of a second instead of the ~5 s a spawned interpreter spends importing torch (most of
-the suite's time on two cores). The server has done nothing but import torch: no threads, no
-CUDA, no process group, so each rank is as fresh as a spawned one, with torch already loaded.
+the suite's time on two cores). The server has done nothing but import torch (and Hugging Face's
+Trainer and the models the tests train, where installed): no threads, no CUDA, no process
+group, so each rank is as fresh as a spawned one, with those modules already loaded.
 Each rank gets the environment ``run_ranks`` was called in (a fork server's children would
 otherwise have the server's, from when it started), plus ``env``. What a rank prints goes to a
 file of its own, copied to this process's standard error once the ranks are joined, so it shows
@@ -45,7 +46,11 @@ class RankResult:
 
 #: Where every test's processes come from (see the module docstring).
 CONTEXT = mp.get_context("forkserver")
-CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor"])
+#: Hugging Face's modules (when installed: a preload that fails to import is skipped) cost every
+#: rank of the tests that train its models seconds of imports; loaded once, they start no thread.
+CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor",
+                                "transformers.trainer", "transformers.models.gpt2.modeling_gpt2",
+                                "transformers.models.llama.modeling_llama"])
 
 
 def free_port() -> int:

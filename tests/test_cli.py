@@ -54,6 +54,15 @@ def test_partition_prints_tree_and_table_and_writes_json(tmp_path, capsys) -> No
     assert part.meta["model"] == "examples.models:gpt2"
 
 
+def test_partition_on_devices_names_them(tmp_path, capsys) -> None:
+    out = tmp_path / "part.json"
+    assert main(["partition", "examples.models:gpt2", "--stages", "2", "--devices", "T4, H100",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert all(word in text for word in ("T4 (65", "H100 (989", "TFLOPS", "time"))
+    assert [d.name for d in Partition.from_json(str(out)).devices] == ["T4", "H100"]
+
+
 def test_show_prints_a_saved_partition(tmp_path, capsys) -> None:
     out = tmp_path / "part.json"
     assert main(["partition", "examples.models:gpt2", "--stages", "2", "--json", str(out)]) == 0
@@ -92,6 +101,7 @@ def test_demo_trains_and_saves_a_timeline(capsys) -> None:
         (["partition", "examples.models:gpt2", "--pin", "lm_head"], "MODULE=STAGE"),
         (["partition", "examples.models:gpt2", "--pin", "lm_haed=1"], "did you mean 'lm_head'"),
         (["show", "/nonexistent/part.json"], "No such file"),
+        (["partition", "examples.models:gpt2", "--stages", "2", "--devices", "V100"], "1 device type(s)"),
     ],
 )
 def test_bad_input_is_one_red_line_and_exit_2(argv, message, capsys) -> None:

@@ -156,3 +156,18 @@ def test_a_pipelined_step_makes_the_host_wait_for_the_gpu_no_more_than_the_unspl
     expected = _synchronising_calls(unsplit)
     found = _synchronising_calls(lambda: step(model, args, target))
     assert len(found) <= len(expected), "\n".join(found)
+
+
+@needs_gpu
+def test_a_gpu_is_recognised_as_its_preset_type_and_not_as_others():
+    """``init``'s check of a plan's device types reads a rank's GPU by name and memory: the local
+    GPU matches the preset of its family (and memory), and no preset of another family."""
+    from smpart.devices import PRESETS
+    from smpart.distributed.device_check import observed_device
+
+    name = torch.cuda.get_device_properties(0).name.upper()
+    own = [p for p in PRESETS.values() if p.name.split("-")[0] in name]
+    if not own:
+        pytest.skip(f"no preset for {name}")
+    matches = {p.name for p in PRESETS.values() if observed_device(p, torch.device("cuda", 0))[1]}
+    assert matches and matches <= {p.name for p in own}, (name, matches)

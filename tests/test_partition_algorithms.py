@@ -16,9 +16,12 @@ from smpart.partition.segment import min_max_segments
 costs_st = st.lists(st.integers(0, 20).map(float), min_size=1, max_size=8)
 
 
-def brute_force(costs: list[float], preload: list[float | None]) -> float:
-    """Try every placement of the k - 1 cuts (pieces may be empty only where preloaded)."""
+def brute_force(costs: list[float], preload: list[float | None], speeds: list[float] | None = None,
+                nbytes: list[float] | None = None, capacity: list[float | None] | None = None) -> float:
+    """Try every placement of the k - 1 cuts (pieces may be empty only where preloaded): the least
+    slowest ``(preload + sum) / speed`` with every piece's bytes within its capacity (inf if none fits)."""
     n, k = len(costs), len(preload)
+    speeds, nbytes, capacity = speeds or [1.0] * k, nbytes or [0.0] * n, capacity or [None] * k
     best = float("inf")
     for cuts in itertools.combinations_with_replacement(range(n + 1), k - 1):
         bounds = (0, *cuts, n)
@@ -27,7 +30,9 @@ def brute_force(costs: list[float], preload: list[float | None]) -> float:
             lo, hi = bounds[s], bounds[s + 1]
             if hi == lo and preload[s] is None:
                 break
-            loads.append((preload[s] or 0.0) + sum(costs[lo:hi]))
+            if capacity[s] is not None and sum(nbytes[lo:hi]) > capacity[s]:
+                break
+            loads.append(((preload[s] or 0.0) + sum(costs[lo:hi])) / speeds[s])
         else:
             best = min(best, max(loads))
     return best

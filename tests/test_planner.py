@@ -326,10 +326,26 @@ def test_mixed_stage_splits_its_batch_by_speed():
     devices = list(cluster.devices())
     mixed = StageDevices(((devices[0],), (devices[1],)))
     alone = StageDevices(((devices[0],),))
-    # two micro-batches on H100 + T4 take 2 / (989 + 65) of the time one takes on the H100 alone
-    t_mixed = model.strategy([mixed], 1, 1, 1).layer_times.sum()
-    t_alone = model.strategy([alone], 1, 1, 1).layer_times.sum()
-    assert t_mixed / t_alone == pytest.approx(2 * 989 / (989 + 65))
+    # 2 × 16 samples shared 989 : 65 in whole samples: 30.03 and 1.97 -> 30 and 2
+    costs = model.strategy([mixed], 1, 16, 1)
+    assert costs.replica_sizes == (30, 2)
+    t_mixed = costs.layer_times.sum()
+    t_alone = model.strategy([alone], 1, 16, 1).layer_times.sum()  # the H100 alone, 16 samples
+    assert t_mixed / t_alone == pytest.approx(max(30 / 989, 2 / 65) / (16 / 989))
+    # with one sample each, neither can give the other any: the T4 sets the pace
+    assert model.strategy([mixed], 1, 1, 1).replica_sizes == (1, 1)
+
+
+def test_a_replicas_share_is_the_same_on_every_stage():
+    """A replica's micro-batch flows through all its stages: one size per replica, set by its
+    slowest stage (the runtime runs exactly this: Config.data_parallel_shares)."""
+    cluster = Cluster([Node(device_type("H100"), 2, 300 * GBPS), Node(device_type("V100"), 1, 300 * GBPS),
+                       Node(device_type("H100"), 1, 300 * GBPS)])
+    model = CostModel(layer_sequence(uniform_tree(4)), cluster)
+    d = list(cluster.devices())
+    # replica 0: H100 then H100; replica 1: H100 then V100 -> shares 989 : 125 of 2 x 9 samples
+    stages = [StageDevices(((d[0],), (d[1],))), StageDevices(((d[3],), (d[2],)))]
+    assert model.replica_sizes(stages, 9) == (16, 2)
 
 
 def test_show_and_json(capsys):

@@ -533,7 +533,8 @@ class Noisy(nn.Module):
 def test_random_numbers_the_glue_draws_are_drawn_once():
     model = Noisy().double()
     reference = copy.deepcopy(model)
-    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60, pin={"": 0, "first": 0, "second": 1})
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60,
+                pin={"": 0, "first": 0, "second": 1})
     dm = smpart.DistributedModel(model)
     for step in range(4):
         x, y = batch(step)

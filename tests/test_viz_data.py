@@ -223,3 +223,17 @@ def test_cli_plan_html_shows_the_best_plans_partition_on_its_devices(tmp_path) -
     assert len(devices["memory"]) == len(devices["names"]) == data["base"]["s"]
     assert set(devices["names"]) <= {"V100", "T4"} or all("×" in n for n in devices["names"])
     assert data["plans"]["rows"] and data["plans"]["notes"]
+
+
+def test_a_partition_cut_for_devices_carries_their_speed_and_keeps_them_on_the_grid() -> None:
+    tree = chain_tree(12)
+    devices = ["T4", "H100", "T4"]
+    part = partition(tree, 3, memory_weight=0.0, devices=devices)
+    data = explorer_data(part, grid={"memory_weights": [0.0, 1.0], "stages": [2, 3]})
+    assert data["base"]["devices"]["tflops"] == [65.0, 989.0, 65.0]
+    assert data["base"]["devices"]["names"] == devices
+    order = [node.name for node in tree.nodes()]
+    for point in data["grid"]["parts"]:
+        on = devices if point["s"] == 3 else None  # the devices hold at their own stage count
+        expected = partition(tree, point["s"], memory_weight=point["w"], devices=on)
+        assert decode(point["runs"]) == [expected.node_stage[n] for n in order], (point["w"], point["s"])

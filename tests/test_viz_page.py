@@ -319,3 +319,35 @@ def test_notebook_repr_runs_the_explorer_in_an_iframe(browser, gpt2_tree: Module
         frame = page.frame_locator("iframe")
         frame.locator("body[data-ready='true']").wait_for(timeout=15_000)
         assert frame.locator("#tree .row").count() > 1
+
+
+@pytest.mark.timeout(120)
+def test_stages_on_unequal_devices_show_their_time_and_speed(browser, gpt2_tree, tmp_path) -> None:
+    """Cut for two V100s then two A100s: each stage names its device and speed, a time bar (its cost
+    ÷ its device's speed) is drawn against a perfect balance, the time figure is the partitioner's
+    own imbalance (at memory_weight 0 the page's cost is the partitioner's), and the slider's
+    partitions are cut for the same devices."""
+    devices = ["V100", "V100", "A100-80", "A100-80"]
+    part = partition(gpt2_tree, 4, memory_weight=0.0, devices=devices)
+    at_memory = partition(gpt2_tree, 4, memory_weight=1.0, devices=devices).module_stages()
+    plain = partition(gpt2_tree, 4, memory_weight=1.0).module_stages()
+    moved = [m for m in at_memory if m and at_memory[m] != plain[m]]
+    assert moved, "the devices should change where some module goes"
+    path = tmp_path / "unequal.html"
+    part.to_html(str(path), grid={"memory_weights": [0.0, 1.0], "stages": [2, 4]})
+    with opened(browser, path) as page:
+        rows = page.locator("#stage-bars .stage-row")
+        assert rows.count() == 4
+        assert page.locator("#stage-bars .bar.time").count() == 4
+        for s, name in enumerate(devices):
+            text = rows.nth(s).text_content()
+            assert name in text and ("125 TFLOPS" if name == "V100" else "312 TFLOPS") in text, text
+        assert page.locator("#time-figure .v").text_content().startswith(f"{part.imbalance:.2f}")
+        # the slider's w = 1 partition is the one cut for these devices, not for alike ones
+        search(page, moved[0])
+        page.focus("#weight")
+        page.keyboard.press("End")
+        assert row(page, moved[0]).get_attribute("data-stage") == str(at_memory[moved[0]])
+        assert page.locator("#stage-bars .bar.time").count() == 4  # still drawn against the devices
+        page.click("#stage-picker button[data-stages='2']")  # another stage count: no devices, no times
+        assert page.locator("#stage-bars .bar.time").count() == 0

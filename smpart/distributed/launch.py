@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from smpart.config import Config
+from smpart.distributed.device_check import check_rank_devices
 from smpart.distributed.transport import pair_groups
 from smpart.errors import ConfigError
 
@@ -117,6 +118,11 @@ def layout_for(config: Config, world_size: int) -> Layout:
                           f"pipeline_parallel_degree x tensor_parallel_degree = {pp} x {tp} = {pp * tp}; "
                           f"launch a multiple of {pp * tp} processes (torchrun --nproc-per-node ...)")
     dp = world_size // (pp * tp)
+    shares = config.data_parallel_shares
+    if shares is not None and len(shares) != dp:
+        raise ConfigError(f"data_parallel_shares lists {len(shares)} share(s) but the job has {dp} "
+                          f"data-parallel replica(s) ({world_size} processes / (pp x tp = {pp * tp})); give "
+                          "one per replica")
     return Layout(pp, dp, tp, config.placement_strategy)
 
 
@@ -148,6 +154,9 @@ def setup(config: Config) -> Setup:
         layout = layout_for(config, world)
         nccl = dist.get_backend() == "nccl"
         device = rank_device(config, nccl, local_rank, layout.coordinates(rank)[0])
+        if config.device_types:
+            check_rank_devices(config.device_types, rank, device, transport_group,
+                               [layout.coordinates(r) for r in range(world)])
     except BaseException:
         dist.destroy_process_group(transport_group)  # a refused configuration leaves nothing behind
         raise

@@ -41,6 +41,21 @@ stage holding the earliest ordered call is stage 0.
 **Pins** (``{node name: stage}``) fix a node and its subtree before anything else runs (a pin
 deeper in a pinned subtree overrides it there). Pinned subtrees are taken out of the balancing:
 the tree walk ignores them and the leaf sequence preloads their cost on their stage.
+
+**Stages on devices of unequal speed and memory** (`Hardware`): a stage's *time* is its load ÷
+its device's speed, the slowest stage's time is what every candidate minimises and the score
+compares, and a stage's bytes (the tree's training memory of its nodes) must fit its device. The
+leaf sequence is cut exactly under both (`min_max_segments` with ``speeds`` and ``capacity``). The
+tree walk keeps its shape, with seats weighted by speed: at each node the segmentation and
+D'Hondt become one exact choice (`smpart.partition.unequal`): runs of children on one device
+each, or one child on a run of several devices, which the walk visits again with them; the
+node's own load stays on its first device, and the choice counts what is on each device already
+(its time, and its bytes against the capacity). A candidate that overflows a device loses to one
+that does not (after the two flaws above); stages keep their device, so they are not renumbered.
+The reuse-aware search weighs its stages by speed (`smpart.partition.reuse`), not by memory: the
+score says when its answer overflows. Between candidates equally slow at their slowest stage
+(within rounding), the one whose other stages are faster wins (their times compared from the
+slowest down), so a stage forced to be the bottleneck does not leave the others unbalanced.
 """
 
 from __future__ import annotations
@@ -54,12 +69,35 @@ from itertools import pairwise
 from smpart.errors import PartitionError
 from smpart.partition.dhondt import dhondt
 from smpart.partition.reuse import loop_unit_names, place_loop_units
-from smpart.partition.segment import min_max_segments
+from smpart.partition.segment import DoesNotFit, min_max_segments
+from smpart.partition.unequal import Share, share_devices
 from smpart.tracing.tree import ModuleNode, ModuleTree
 
 #: A later candidate must beat an earlier one by more than this (relative) to be chosen, so that
 #: rounding noise never flips the answer.
 _TIE_TOLERANCE = 1e-9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the stages run on: each stage's speed (its load ÷ speed is its time), the bytes its
+    device may hold (inf: no limit), and every node's own bytes (the tree's training memory)."""
+
+    speed: tuple[float, ...]
+    capacity: tuple[float, ...]
+    node_bytes: dict[str, float]
+
+    @classmethod
+    def alike(cls, num_stages: int) -> Hardware:
+        return cls((1.0,) * num_stages, (math.inf,) * num_stages, {})
+
+    @property
+    def uniform(self) -> bool:
+        """Equal speeds and no memory limit: the partitioner's original problem."""
+        return len(set(self.speed)) <= 1 and all(math.isinf(c) for c in self.capacity)
+
+    def bytes_of(self, name: str) -> float:
+        return self.node_bytes.get(name, 0.0)
 
 
 @dataclass
@@ -79,13 +117,16 @@ def partition_tree(
     costs: dict[str, float],
     num_stages: int,
     pinned: dict[str, int] | None = None,
+    hardware: Hardware | None = None,
 ) -> PartitionOutcome:
     """Assign every node of ``tree`` to one of ``num_stages`` stages (see the module docstring).
 
     ``costs`` are the nodes' own costs (`ModuleTree.node_costs`); ``pinned`` maps canonical node
-    names to stages. Raises `PartitionError` when there are fewer call-ordered leaves than stages
-    left to fill.
+    names to stages; ``hardware`` says what each stage runs on (default: alike devices, no memory
+    limit). Raises `PartitionError` when there are fewer call-ordered leaves than stages left to
+    fill.
     """
+    hw = hardware or Hardware.alike(num_stages)
     fixed = _spread_pins(tree.root, pinned or {})
     units = _leaf_units(tree.root, fixed)
     to_fill = num_stages - len(set((pinned or {}).values()))
@@ -97,27 +138,31 @@ def partition_tree(
         )
     loop = loop_unit_names(tree.root, units)
     ordered = [u for u in units if u.name not in loop]
+    renumber = not pinned and hw.uniform  # on unequal devices a stage keeps its device
     candidates = {
-        "tree": _tree_walk(tree, costs, num_stages, fixed, renumber=not pinned),
-        "leaf-sequence": _leaf_sequence(tree, costs, num_stages, fixed, units),
+        "tree": _tree_walk(tree, costs, num_stages, fixed, hw, renumber=renumber),
+        "leaf-sequence": _leaf_sequence(tree, costs, num_stages, fixed, units, hw),
     }
     notes: dict[str, object] = {}
     if loop:
         candidates["reuse-aware"], exact = _reuse_aware(
-            tree, costs, num_stages, fixed, units, loop, candidates["leaf-sequence"], renumber=not pinned
+            tree, costs, num_stages, fixed, units, loop, candidates["leaf-sequence"], hw, renumber=renumber
         )
         notes = {"loop_units": len(loop), "loop_search": "exact" if exact else "heuristic"}
-    scores = {name: _score(stages, costs, num_stages, ordered) for name, stages in candidates.items()}
+    scores = {name: _score(stages, costs, num_stages, ordered, hw) for name, stages in candidates.items()}
     best = "tree"
-    for name, (*flaws, cost) in scores.items():
-        *best_flaws, best_cost = scores[best]
-        if (*flaws, cost * (1 + _TIE_TOLERANCE)) < (*best_flaws, best_cost):
+    for name, (*flaws, cost, rest) in scores.items():
+        *best_flaws, best_cost, best_rest = scores[best]
+        tied = tuple(flaws) == tuple(best_flaws) and cost <= best_cost * (1 + _TIE_TOLERANCE)
+        if (*flaws, cost * (1 + _TIE_TOLERANCE)) < (*best_flaws, best_cost) or (tied and rest < best_rest):
             best = name
+    if scores[best][2]:
+        notes["over_memory"] = True  # every candidate overflows some device (the caller says which)
     return PartitionOutcome(
         node_stage=candidates[best],
         method=best,
-        max_stage_cost=scores[best][-1],
-        candidates={name: score[-1] for name, score in scores.items()},
+        max_stage_cost=scores[best][-2],
+        candidates={name: score[-2] for name, score in scores.items()},
         notes=notes,
     )
 
@@ -147,6 +192,7 @@ class _Item:
 
     node: ModuleNode | None
     cost: float
+    bytes: float = 0.0
 
 
 def _tree_walk(
@@ -154,11 +200,15 @@ def _tree_walk(
     costs: dict[str, float],
     num_stages: int,
     fixed: dict[str, int],
+    hw: Hardware,
     *,
     renumber: bool,
 ) -> dict[str, int]:
     """The paper's breadth-first walk (Algorithm 1 with segmentation and D'Hondt)."""
     subtree = _free_subtree_costs(tree.root, costs, fixed)
+    on_device = None if hw.uniform else _OnDevices(tree, hw, fixed, costs)
+    subtree_bytes = {} if on_device is None else _free_subtree_costs(
+        tree.root, {n.name: hw.bytes_of(n.name) for n in tree.nodes()}, fixed)
     first_call = _first_calls(tree.root)
     stage = dict(fixed)
     queue: deque[tuple[ModuleNode, list[int]]] = deque([(tree.root, list(range(num_stages)))])
@@ -178,8 +228,14 @@ def _tree_walk(
         for child in uncalled:
             _place_subtree(child, devices[0], fixed, stage)
         own_load = costs[node.name] + sum(subtree[c.name] for c in uncalled)
-        items = [_Item(None, own_load)] + [_Item(c, subtree[c.name]) for c in called]
-        _cut_items(items, devices, queue, fixed, stage)
+        if on_device is None:
+            items = [_Item(None, own_load)] + [_Item(c, subtree[c.name]) for c in called]
+            _cut_items(items, devices, queue, fixed, stage)
+            continue
+        own_bytes = hw.bytes_of(node.name) + sum(subtree_bytes[c.name] for c in uncalled)
+        items = [_Item(None, own_load, own_bytes)]
+        items += [_Item(c, subtree[c.name], subtree_bytes[c.name]) for c in called]
+        on_device.cut(items, devices, queue, stage)
     return _renumber_by_first_call(tree, stage) if renumber else stage
 
 
@@ -210,6 +266,57 @@ def _cut_items(
             # sequence will win the comparison).
         else:
             _cut_items(members, given, queue, fixed, stage)
+
+
+class _OnDevices:
+    """The tree walk's cuts on stages of unequal speed and memory (`smpart.partition.unequal`), and
+    the load and bytes each stage holds so far (pins included)."""
+
+    def __init__(self, tree: ModuleTree, hw: Hardware, fixed: dict[str, int],
+                 costs: dict[str, float]) -> None:
+        self.hw, self.fixed = hw, fixed
+        self.load = [0.0] * len(hw.speed)
+        self.bytes = [0.0] * len(hw.speed)
+        for name, s in fixed.items():
+            self.add(s, costs[name], hw.bytes_of(name))
+        units = {u.name for u in _leaf_units(tree.root, fixed)}
+        self.units_below: dict[str, int] = {}
+        for node in _post_order(tree.root):
+            own = int(node.name in units)
+            self.units_below[node.name] = own + sum(self.units_below[c.name] for c in node.children)
+
+    def add(self, device: int, load: float, nbytes: float) -> None:
+        self.load[device] += load
+        self.bytes[device] += nbytes
+
+    def cut(self, items: list[_Item], devices: list[int], queue: deque[tuple[ModuleNode, list[int]]],
+            stage: dict[str, int]) -> None:
+        """Place ``items`` (the node's own load first, then its called children) on ``devices``."""
+        own, children = items[0], items[1:]
+        self.add(devices[0], own.cost, own.bytes)  # the node and its uncalled children sit there already
+        if not children:
+            return  # a lone own load cannot be split: the spare devices stay idle (the leaf sequence wins)
+        args = ([c.cost for c in children], [c.bytes for c in children],
+                [self.units_below[c.node.name] for c in children], [self.hw.speed[d] for d in devices],
+                [self.load[d] for d in devices])
+        room = [self.hw.capacity[d] - self.bytes[d] for d in devices]
+        shares = share_devices(*args, room) or share_devices(*args, [math.inf] * len(devices))
+        if shares is None:  # too few children to fill the devices: one each, the rest stay idle
+            shares = [Share(range(i, i + 1), range(i, i + 1)) for i in range(len(children))]
+        for share in shares:
+            given = [devices[p] for p in share.devices]
+            if share.split is None:
+                for i in share.items:
+                    self._place(children[i], given[0], stage)
+                continue
+            for i in share.items:  # the lighter children at the ends of the heaviest one's run
+                if i != share.split:
+                    self._place(children[i], given[0] if i < share.split else given[-1], stage)
+            queue.append((children[share.split].node, given))
+
+    def _place(self, item: _Item, device: int, stage: dict[str, int]) -> None:
+        _place_subtree(item.node, device, self.fixed, stage)
+        self.add(device, item.cost, item.bytes)
 
 
 def _first_calls(root: ModuleNode) -> dict[str, float]:
@@ -265,13 +372,28 @@ def _leaf_sequence(
     num_stages: int,
     fixed: dict[str, int],
     units: list[ModuleNode],
+    hw: Hardware,
 ) -> dict[str, int]:
-    """Exact min-max cut of the call-ordered units, every other free node riding with its anchor."""
+    """Exact min-max cut of the call-ordered units, every other free node riding with its anchor
+    (on unequal devices: of the slowest stage's time, within each device's memory when it can)."""
     anchor = _anchors(tree.root, fixed, units)
     unit_cost = _unit_costs(anchor, costs)
-    segmentation = min_max_segments(
-        [unit_cost[u.name] for u in units], num_stages, preload=_pin_loads(fixed, costs, num_stages)
-    )
+    costs_in_order = [unit_cost[u.name] for u in units]
+    preload = _pin_loads(fixed, costs, num_stages)
+    if hw.uniform:
+        segmentation = min_max_segments(costs_in_order, num_stages, preload=preload)
+    else:
+        unit_bytes = _unit_costs(anchor, {name: hw.bytes_of(name) for name in anchor})
+        pinned_bytes = [0.0] * num_stages
+        for name, s in fixed.items():
+            pinned_bytes[s] += hw.bytes_of(name)
+        room = [c - b for c, b in zip(hw.capacity, pinned_bytes, strict=True)]
+        try:
+            segmentation = min_max_segments(
+                costs_in_order, num_stages, preload=preload, speeds=hw.speed,
+                memory=[unit_bytes.get(u.name, 0.0) for u in units], capacity=room)
+        except DoesNotFit:  # nothing fits: the fastest cut, which the caller reports as overflowing
+            segmentation = min_max_segments(costs_in_order, num_stages, preload=preload, speeds=hw.speed)
     unit_stage = dict(zip((u.name for u in units), segmentation.stage_of_items(), strict=True))
     return _spread_units(anchor, unit_stage, fixed)
 
@@ -287,6 +409,7 @@ def _reuse_aware(
     units: list[ModuleNode],
     loop: set[str],
     contiguous: dict[str, int],
+    hw: Hardware,
     *,
     renumber: bool,
 ) -> tuple[dict[str, int], bool]:
@@ -305,6 +428,7 @@ def _reuse_aware(
         num_stages,
         _pin_loads(fixed, costs, num_stages),
         seed=[contiguous[name] for name in looped],
+        speeds=None if hw.uniform else hw.speed,
     )
     unit_stage = dict(zip(looped, placement.loop_stage, strict=True))
     unit_stage.update(zip(ordered, placement.ordered_stage, strict=True))
@@ -369,17 +493,23 @@ def _anchors(root: ModuleNode, fixed: dict[str, int], units: list[ModuleNode]) -
 
 
 def _score(
-    stage: dict[str, int], costs: dict[str, float], num_stages: int, ordered: list[ModuleNode]
-) -> tuple[bool, bool, float]:
-    """(leaves a stage empty, ordered units out of pipeline order, heaviest stage's cost): lower is better."""
+    stage: dict[str, int], costs: dict[str, float], num_stages: int, ordered: list[ModuleNode], hw: Hardware
+) -> tuple[bool, bool, bool, float, tuple[float, ...]]:
+    """(leaves a stage empty, ordered units out of pipeline order, overflows a device's memory,
+    slowest stage's time, the other stages' times from the slowest down): lower is better. The
+    last breaks ties on unequal devices only (on alike ones the earlier candidate keeps them)."""
     loads = [0.0] * num_stages
+    nbytes = [0.0] * num_stages
     used = [False] * num_stages
     for name, s in stage.items():
         loads[s] += costs[name]
+        nbytes[s] += hw.bytes_of(name)
         used[s] = True
     along = [stage[u.name] for u in ordered]
     steps_back = any(later < earlier for earlier, later in pairwise(along))
-    return (not all(used), steps_back, max(loads))
+    over = any(b > c for b, c in zip(nbytes, hw.capacity, strict=True))
+    times = sorted((load / v for load, v in zip(loads, hw.speed, strict=True)), reverse=True)
+    return (not all(used), steps_back, over, times[0], () if hw.uniform else tuple(times[1:]))
 
 
 def _renumber_by_first_call(

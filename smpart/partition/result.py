@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from smpart.devices import DeviceType, as_device_type
 from smpart.errors import PartitionError
 from smpart.tracing.tree import ModuleTree
 
@@ -106,6 +107,28 @@ class Partition:
     def stage_params(self) -> list[int]:
         return [s.param_count for s in self.stage_loads()]
 
+    # ---------------------------------------------------------------- devices
+    @property
+    def devices(self) -> list[DeviceType] | None:
+        """The device type of each stage when it was cut for them (``partition(..., devices=...)``)."""
+        specs = self.meta.get("devices")
+        return None if not specs else [as_device_type(spec) for spec in specs]
+
+    @property
+    def stage_speeds(self) -> list[float]:
+        """Each stage's speed relative to the fastest (all 1.0 without devices)."""
+        devices = self.devices
+        if devices is None:
+            return [1.0] * self.num_stages
+        fastest = max(d.tflops for d in devices)
+        return [d.tflops / fastest for d in devices]
+
+    @property
+    def stage_times(self) -> list[float]:
+        """Each stage's weighted cost ÷ its speed: what the partitioner balances (the cost itself
+        without devices)."""
+        return [s.cost / v for s, v in zip(self.stage_loads(), self.stage_speeds, strict=True)]
+
     @staticmethod
     def _imbalance(values: list[float]) -> float:
         mean = sum(values) / len(values)
@@ -113,8 +136,12 @@ class Partition:
 
     @property
     def imbalance(self) -> float:
-        """Slowest stage's weighted cost over the mean (1.0 is perfect balance)."""
-        return self._imbalance([s.cost for s in self.stage_loads()])
+        """Slowest stage's time over the perfectly balanced one (1.0 is perfect balance): the
+        weighted costs' max over their mean, or on devices of unequal speed the slowest stage's
+        time over total cost ÷ total speed."""
+        speeds = self.stage_speeds
+        ideal = sum(s.cost for s in self.stage_loads()) / sum(speeds)
+        return max(self.stage_times) / ideal if ideal > 0 else 1.0
 
     @property
     def compute_imbalance(self) -> float:

@@ -31,6 +31,12 @@ may take no ordered unit). So only the loop units are searched:
    when the best answer meets the lower bound max(total / stages, heaviest unit, heaviest pinned
    stage), and gives up at a fixed budget of search nodes and DP calls; the answer says whether
    it is proven optimal (``exact``).
+
+**Stages of unequal speed** (``speeds``): a stage's time is its load ÷ its speed; the ordered cut
+minimises the slowest time (`min_max_segments` with ``speeds``), the packing puts a unit where it
+finishes first, and the branch and bound compares times: a branch stops once a stage's time
+reaches the best found, or the rest no longer fits under it at every stage's speed; the lower
+bound is max(total ÷ total speed, heaviest unit ÷ fastest speed, each pinned stage's time).
 """
 
 from __future__ import annotations
@@ -86,19 +92,22 @@ def place_loop_units(
     num_stages: int,
     pin_load: Sequence[float | None],
     seed: Sequence[int],
+    speeds: Sequence[float] | None = None,
 ) -> LoopPlacement:
     """Best stages for the loop units (any stage) and the ordered units (contiguous, in order).
 
     ``ordered`` and ``loop`` are the units' costs (ordered ones in call order); ``pin_load[s]``
     is the load pinned on stage ``s`` (None: nothing pinned there, so it needs a unit);
-    ``seed`` is a feasible stage per loop unit to start from.
+    ``seed`` is a feasible stage per loop unit to start from; ``speeds[s]`` divides stage ``s``'s
+    load into its time (default: all 1).
     """
-    cut = _OrderedCut(ordered, loop, num_stages, pin_load)
+    cut = _OrderedCut(ordered, loop, num_stages, pin_load, speeds)
     best_cost, best = _alternate(cut, tuple(seed))
-    pinned = [p for p in pin_load if p is not None]
+    pinned = [p / v for p, v in zip(pin_load, cut.speed, strict=True) if p is not None]
     lower = max(
-        (sum(ordered) + sum(loop) + sum(pinned)) / num_stages,
-        max([*ordered, *loop, *pinned], default=0.0),
+        (sum(ordered) + sum(loop) + sum(p for p in pin_load if p is not None)) / sum(cut.speed),
+        max([*ordered, *loop], default=0.0) / max(cut.speed),
+        max(pinned, default=0.0),
     )
     exact = best_cost <= lower
     if not exact and len(loop) <= EXACT_MAX_UNITS:
@@ -116,11 +125,15 @@ class _OrderedCut:
         loop: Sequence[float],
         num_stages: int,
         pin_load: Sequence[float | None],
+        speeds: Sequence[float] | None = None,
     ) -> None:
         self.ordered = list(ordered)
         self.loop = list(loop)
         self.num_stages = num_stages
         self.pin_load = list(pin_load)
+        #: None keeps every call on the equal-stages path, number for number.
+        self.speeds = None if speeds is None else [float(v) for v in speeds]
+        self.speed = self.speeds or [1.0] * num_stages
         self.calls = 0
         self._memo: dict[tuple[float | None, ...], float] = {}
 
@@ -139,11 +152,13 @@ class _OrderedCut:
             if sum(p is None for p in pre) > len(self.ordered):
                 self._memo[pre] = math.inf  # a stage with nothing on it that no ordered unit can fill
             else:
-                self._memo[pre] = min_max_segments(self.ordered, self.num_stages, preload=pre).cost
+                self._memo[pre] = min_max_segments(self.ordered, self.num_stages, preload=pre,
+                                                   speeds=self.speeds).cost
         return self._memo[pre]
 
     def segmentation(self, loop_stage: Sequence[int]) -> Segmentation:
-        return min_max_segments(self.ordered, self.num_stages, preload=self.preload(loop_stage))
+        return min_max_segments(self.ordered, self.num_stages, preload=self.preload(loop_stage),
+                                speeds=self.speeds)
 
     def base_loads(self, loop_stage: Sequence[int] | None) -> list[float] | None:
         """Per-stage load of pins plus ordered units in the best cut around ``loop_stage``.
@@ -154,7 +169,8 @@ class _OrderedCut:
         if loop_stage is None:
             if sum(p is None for p in self.pin_load) > len(self.ordered):
                 return None
-            segmentation = min_max_segments(self.ordered, self.num_stages, preload=self.pin_load)
+            segmentation = min_max_segments(self.ordered, self.num_stages, preload=self.pin_load,
+                                            speeds=self.speeds)
         else:
             segmentation = self.segmentation(loop_stage)
         return [
@@ -169,14 +185,16 @@ def _alternate(cut: _OrderedCut, seed: tuple[int, ...]) -> tuple[float, tuple[in
     starts = [seed]
     plain = cut.base_loads(None)
     if plain is not None:
-        starts.append(tuple(rebalance(cut.loop, plain, lpt(cut.loop, plain))))
+        packed = lpt(cut.loop, plain, cut.speeds)
+        starts.append(tuple(rebalance(cut.loop, plain, packed, speeds=cut.speeds)))
     for start in starts:
         current = (cut.cost(start), start)
         if math.isinf(current[0]):
             continue  # the packing left a stage empty that the ordered units cannot fill
         for _ in range(ALTERNATING_ROUNDS):
             base = cut.base_loads(current[1])
-            packings = (rebalance(cut.loop, base, current[1]), rebalance(cut.loop, base, lpt(cut.loop, base)))
+            packings = (rebalance(cut.loop, base, current[1], speeds=cut.speeds),
+                        rebalance(cut.loop, base, lpt(cut.loop, base, cut.speeds), speeds=cut.speeds))
             step = min((cut.cost(p), tuple(p)) for p in packings)
             if not step[0] < current[0]:
                 break
@@ -198,6 +216,7 @@ def _branch_and_bound(
     order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
     remaining_after = [sum(sizes[i] for i in order[d:]) + sum(cut.ordered) for d in range(len(order) + 1)]
     loads = [p or 0.0 for p in cut.pin_load]
+    speed = cut.speed
     stages = list(best)
     incumbent = [best_cost, best]
     nodes = 0
@@ -217,12 +236,12 @@ def _branch_and_bound(
             return
         item = order[depth]
         size = sizes[item]
-        for s in sorted(range(floor, len(loads)), key=lambda s: (loads[s], s)):
-            if loads[s] + size >= incumbent[0]:
+        for s in sorted(range(floor, len(loads)), key=lambda s: (loads[s] / speed[s], s)):
+            if (loads[s] + size) / speed[s] >= incumbent[0]:
                 continue
             old = loads[s]
             loads[s] = old + size
-            room = sum(max(0.0, incumbent[0] - load) for load in loads)
+            room = sum(max(0.0, incumbent[0] * v - load) for load, v in zip(loads, speed, strict=True))
             if remaining_after[depth + 1] == 0 or remaining_after[depth + 1] < room:
                 stages[item] = s
                 same_size_next = depth + 1 < len(order) and sizes[order[depth + 1]] == size

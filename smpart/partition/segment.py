@@ -22,6 +22,17 @@ is known, the heaviest piece is kept and the items on each side of it are cut ag
 recursively: every stage ends up as light as the stages around it allow, and the maximum never
 rises. Every cut is deterministic: the cuts are placed from the last stage backwards, each
 stage taking as many items as its optimum allows, and the first heaviest piece is the one kept.
+
+**Stages of unequal speed and memory** (``speeds``, ``memory``, ``capacity``): a piece's time is
+its load ÷ its stage's speed, the slowest piece's time is minimised, and the items' bytes on each
+stage must fit its capacity. The crossing trick needs ``F[s-1][j]`` non-decreasing in ``j``, which
+speeds break (items ``[1, 4, 1]`` on a fast stage then a slow one: two items cost 4, three cost
+2.5). So this case is solved another way, exactly too: whether a maximum time ``T`` is reachable
+is a sweep over the stages of the set of item counts each can end at (a stage starting after
+item ``j`` reaches as far as its time and bytes allow: two `numpy.searchsorted` on prefix sums,
+and every count between is reachable too), and ``T`` is bisected over the bit patterns of
+non-negative float64s, whose order is that of their values: at most 63 sweeps find the least
+reachable ``T`` exactly. The cut, the ties and the rebalanced sides follow the rules above.
 """
 
 from __future__ import annotations
@@ -44,17 +55,27 @@ class Segmentation:
         return [s for s, piece in enumerate(self.pieces) for _ in piece]
 
 
+class DoesNotFit(ValueError):
+    """No cut keeps every stage's items within its ``capacity``."""
+
+
 def min_max_segments(
     costs: Sequence[float],
     k: int,
     *,
     preload: Sequence[float | None] | None = None,
+    speeds: Sequence[float] | None = None,
+    memory: Sequence[float] | None = None,
+    capacity: Sequence[float | None] | None = None,
 ) -> Segmentation:
-    """Split ``costs`` into ``k`` contiguous pieces minimising the largest ``preload + sum``.
+    """Split ``costs`` into ``k`` contiguous pieces minimising the largest ``(preload + sum) / speed``.
 
     ``preload[s]`` is None for a stage that starts empty (it must get at least one item) or a
-    number for a stage that already holds that much (it may get none). Raises ValueError when
-    there are fewer items than stages that must be filled, or for negative costs.
+    number for a stage that already holds that much (it may get none). ``speeds[s]`` divides
+    stage ``s``'s load (default 1); ``memory[i]`` is item ``i``'s bytes and ``capacity[s]`` the
+    bytes stage ``s`` may take (None: no limit). ``cost`` is the slowest piece's time. Raises
+    ValueError when there are fewer items than stages that must be filled, or for negative
+    costs, and `DoesNotFit` when no cut fits the capacities.
     """
     if k < 1:
         raise ValueError(f"need at least one piece, got k={k}")
@@ -70,7 +91,21 @@ def min_max_segments(
     if sum(required) > n:
         raise ValueError(f"cannot fill {sum(required)} pieces with {n} items")
 
-    pieces, best = _balanced(values, offset, required)
+    speed = np.ones(k) if speeds is None else np.asarray(speeds, dtype=np.float64)
+    if speed.shape != (k,) or not np.all(np.isfinite(speed)) or np.any(speed <= 0):
+        raise ValueError(f"speeds must be {k} positive numbers, got {speeds!r}")
+    caps = np.full(k, np.inf) if capacity is None else np.array(
+        [np.inf if c is None else float(c) for c in capacity], dtype=np.float64)
+    if caps.shape != (k,):
+        raise ValueError(f"capacity has {caps.size} entries for {k} pieces")
+    if np.all(speed == speed[0]) and not np.isfinite(caps).any():
+        pieces, best = _balanced(values, offset, required)
+        return Segmentation(tuple(pieces), best / speed[0])
+    bytes_ = np.zeros(n) if memory is None else np.asarray(memory, dtype=np.float64)
+    if bytes_.shape != (n,) or (n and bytes_.min() < 0):
+        raise ValueError(f"memory must be {n} non-negative numbers")
+    stages = _Stages(offset, np.array(required), speed, caps)
+    pieces, best = _balanced_unequal(values, bytes_, stages)
     return Segmentation(tuple(pieces), best)
 
 
@@ -142,3 +177,106 @@ def _cut_backwards(
         end = j
     pieces.append(range(0, end))
     return tuple(reversed(pieces))
+
+
+# ---------------------------------------------------------------- stages of unequal speed and memory
+
+
+@dataclass(frozen=True)
+class _Stages:
+    """Per stage: preloaded load, whether it must take an item, speed, and bytes it may take."""
+
+    offset: np.ndarray
+    required: np.ndarray
+    speed: np.ndarray
+    capacity: np.ndarray
+
+    def __len__(self) -> int:
+        return self.offset.size
+
+    def part(self, first: int, last: int) -> _Stages:
+        return _Stages(self.offset[first:last], self.required[first:last], self.speed[first:last],
+                       self.capacity[first:last])
+
+
+def _balanced_unequal(values: np.ndarray, bytes_: np.ndarray, stages: _Stages) -> tuple[list[range], float]:
+    """`_balanced` for stages of unequal speed and memory (see the module docstring)."""
+    sweep = _Sweep(values, bytes_, stages)
+    if sweep.reachable(np.inf) is None:
+        raise DoesNotFit("no cut keeps every stage's items within its capacity")
+    limit = sweep.least_time()
+    pieces = sweep.cut_backwards(limit)
+    times = [sweep.time(s, p.start, p.stop) for s, p in enumerate(pieces)]
+    best = max(times)
+    heaviest = int(np.argmax(times))
+    for first, last in ((0, heaviest), (heaviest + 1, len(pieces))):
+        if last - first < 2:
+            continue
+        start, stop = pieces[first].start, pieces[last - 1].stop
+        side, _ = _balanced_unequal(values[start:stop], bytes_[start:stop], stages.part(first, last))
+        pieces[first:last] = [range(start + p.start, start + p.stop) for p in side]
+    return pieces, best
+
+
+class _Sweep:
+    """Which item counts stages ``0..s`` can end at when no stage may take longer than ``T``."""
+
+    def __init__(self, values: np.ndarray, bytes_: np.ndarray, stages: _Stages) -> None:
+        self.prefix = np.concatenate(([0.0], np.cumsum(values)))
+        self.bytes = np.concatenate(([0.0], np.cumsum(bytes_)))
+        self.stages = stages
+        self.n = values.size
+
+    def time(self, s: int, start: int, stop: int) -> float:
+        st = self.stages
+        return float((st.offset[s] + (self.prefix[stop] - self.prefix[start])) / st.speed[s])
+
+    def reach(self, s: int, starts: np.ndarray, limit: float) -> np.ndarray:
+        """The last item count stage ``s`` can end at from each start, within ``limit`` seconds
+        and its capacity (below the start when even an empty piece is too much)."""
+        st = self.stages
+        load = limit * st.speed[s] - st.offset[s]  # the items' load the stage has room for
+        by_time = np.searchsorted(self.prefix, self.prefix[starts] + load, side="right") - 1
+        by_bytes = np.searchsorted(self.bytes, self.bytes[starts] + st.capacity[s], side="right") - 1
+        return np.minimum(by_time, by_bytes)
+
+    def reachable(self, limit: float) -> list[np.ndarray] | None:
+        """``ends[s][i]``: stages ``0..s`` can take the first ``i`` items; None if not all of them."""
+        ends: list[np.ndarray] = []
+        current = np.zeros(self.n + 1, dtype=bool)
+        current[0] = True
+        for s in range(len(self.stages)):
+            starts = np.flatnonzero(current)
+            last = self.reach(s, starts, limit)
+            first = starts + int(self.stages.required[s])
+            ok = last >= first
+            marks = (np.bincount(first[ok], minlength=self.n + 2)
+                     - np.bincount(last[ok] + 1, minlength=self.n + 2))
+            current = np.cumsum(marks)[: self.n + 1] > 0
+            ends.append(current)
+        return ends if current[self.n] else None
+
+    def least_time(self) -> float:
+        """The least ``T`` for which every item fits: bisect the bits of non-negative floats."""
+        low, high = -1, int(np.float64(np.inf).view(np.int64))  # low infeasible (below 0.0), high feasible
+        while high - low > 1:
+            middle = (low + high) // 2
+            if self.reachable(float(np.int64(middle).view(np.float64))) is None:
+                low = middle
+            else:
+                high = middle
+        return float(np.int64(high).view(np.float64))
+
+    def cut_backwards(self, limit: float) -> list[range]:
+        """Cuts from the last stage back, each stage taking as many items as ``limit`` allows."""
+        ends = self.reachable(limit)
+        assert ends is not None
+        end = self.n
+        pieces: list[range] = []
+        for s in range(len(self.stages) - 1, 0, -1):
+            starts = np.flatnonzero(ends[s - 1][: end - int(self.stages.required[s]) + 1])
+            start = int(starts[np.argmax(self.reach(s, starts, limit) >= end)])
+            pieces.append(range(start, end))
+            end = start
+        pieces.append(range(0, end))
+        return pieces[::-1]

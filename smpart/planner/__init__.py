@@ -9,7 +9,7 @@ from smpart.planner.cluster import PRESETS, Cluster, Device, DeviceType, Node, d
 from smpart.planner.cost import CostModel, CostOptions, StageDevices
 from smpart.planner.layers import LayerSeq, layer_sequence
 from smpart.planner.plan import Plan, Plans
-from smpart.planner.search import plan
+from smpart.planner.search import plan, price
 
 __all__ = [
     "PRESETS",
@@ -28,4 +28,5 @@ __all__ = [
     "device_type",
     "layer_sequence",
     "plan",
+    "price",
 ]

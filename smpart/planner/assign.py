@@ -111,6 +111,18 @@ def assign_layers(
     return _assignment(problem, best)
 
 
+def evaluate_assignment(
+    layer_costs: Sequence[Sequence[float]],
+    starts: Sequence[int],
+    microbatches: int,
+    cut_costs: Sequence[float] | Sequence[Sequence[float]] | None = None,
+) -> LayerAssignment:
+    """The objective of given boundaries (``starts``, one per stage) under ``layer_costs`` (a
+    ``k × L`` array): what a split chosen for other devices costs on these."""
+    problem = _problem(layer_costs, len(starts), microbatches, cut_costs, None, None, None)
+    return _assignment(problem, _evaluate(problem, tuple(starts)))
+
+
 # ---------------------------------------------------------------------------- validation
 def _problem(layer_costs, num_stages, microbatches, cut_costs, stage_speeds, layer_memory,
              stage_memory) -> _Problem:

@@ -28,63 +28,12 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
+from smpart.devices import GBS, GIB, PRESETS, DeviceType, device_type
 from smpart.errors import ConfigError
 
-GIB = 1 << 30
+__all__ = ["GBPS", "GBS", "GIB", "PRESETS", "Cluster", "Device", "DeviceType", "Node", "device_type"]
+
 GBPS = 1e9 / 8  # bytes per second in one Gbit/s
-
-
-@dataclass(frozen=True)
-class DeviceType:
-    """A kind of accelerator: its name, peak dense fp16/bf16 throughput, memory and (when known)
-    memory bandwidth in bytes/s, which prices layers of low arithmetic intensity."""
-
-    name: str
-    tflops: float
-    memory_bytes: int
-    memory_bandwidth: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.tflops <= 0 or self.memory_bytes <= 0:
-            raise ConfigError(f"device type {self.name!r} needs tflops > 0 and memory > 0")
-        if self.memory_bandwidth is not None and self.memory_bandwidth <= 0:
-            raise ConfigError(f"device type {self.name!r} needs memory bandwidth > 0 (or none)")
-
-    @property
-    def flops(self) -> float:
-        return self.tflops * 1e12
-
-    @property
-    def memory_gib(self) -> float:
-        return self.memory_bytes / GIB
-
-
-GBS = 1e9  # bytes per second in one GB/s (how memory bandwidth is quoted)
-
-#: Peak dense fp16/bf16 tensor-core throughput (no sparsity), memory and memory bandwidth, from
-#: vendor data sheets.
-PRESETS: dict[str, DeviceType] = {
-    d.name: d
-    for d in (
-        DeviceType("H100", 989.0, 80 * GIB, 3350 * GBS),  # SXM5, bf16 dense
-        DeviceType("A100-80", 312.0, 80 * GIB, 2039 * GBS),
-        DeviceType("A100-40", 312.0, 40 * GIB, 1555 * GBS),
-        DeviceType("L4", 121.0, 24 * GIB, 300 * GBS),
-        DeviceType("V100", 125.0, 16 * GIB, 900 * GBS),  # SXM2 16 GB, as in AWS p3.8xlarge
-        DeviceType("T4", 65.0, 16 * GIB, 320 * GBS),
-        DeviceType("P100", 18.7, 16 * GIB, 732 * GBS),  # PCIe, fp16
-    )
-}
-
-
-def device_type(name: str) -> DeviceType:
-    """A preset by name (case-insensitive; "A100" means the 80 GB part)."""
-    key = {"A100": "A100-80"}.get(name.upper(), name.upper())
-    for preset in PRESETS.values():
-        if preset.name.upper() == key:
-            return preset
-    raise ConfigError(f"unknown device type {name!r}; presets are {sorted(PRESETS)} "
-                      f"(or define it under [device.{name}] with tflops and memory_gib)")
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,15 @@
 AMP's top-down decomposition, generalised to stages whose device groups differ:
 
 * **Layer, on a stage.** A stage holds ``dp`` replicas, each a tensor-parallel group of ``tp``
-  devices of one node. The stage's ``dp`` micro-batches (one per pipeline replica) are split
-  across replicas in proportion to their speed, as Metis does, so a mixed stage finishes them all
-  together: compute time = FLOPs × samples / Σ replica speed, where a replica's speed is ``tp`` ×
-  its slowest device × ``efficiency``. **Tensor parallelism** divides by ``tp`` only what the
-  runtime's swap-in splits: the tree records, per node and degree, the share of its FLOPs and
+  devices of one node. The ``dp × microbatch_size`` samples of a micro-batch step are shared by
+  the pipeline replicas in proportion to their speed, as Metis and HexiScale share them, so
+  replicas of unequal devices finish together: replica ``r`` takes micro-batches of
+  ``replica_sizes[r]`` samples (whole samples, at least one, by largest remainder), the same on
+  every stage, since a replica's micro-batch flows through all its stages: that is what the
+  runtime runs (``Config.data_parallel_shares``). A replica's speed is ``tp`` × its slowest
+  device × ``efficiency``, the slowest over its stages; a stage takes as long as its slowest
+  replica: max over replicas of FLOPs × samples / speed. **Tensor parallelism** divides by ``tp``
+  only what the runtime's swap-in splits: the tree records, per node and degree, the share of its FLOPs and
   parameters that are split and the bytes its collectives move (`SplitShare`, from the swap-in's
   own rule); the rest (norms, an attention with one head) runs whole on every rank of the group.
   Each collective costs ``2(tp−1)/tp · bytes / intra-node bw`` (an all-gather half that), plus
@@ -148,6 +152,8 @@ class StrategyCosts:
     replica_memory: list[list[tuple[np.ndarray, float]]]
     #: Per stage: whether these rows price its layers checkpointed.
     checkpointed: tuple[bool, ...] = ()
+    #: Samples in a micro-batch of each pipeline replica (their shares of the global batch).
+    replica_sizes: tuple[int, ...] = ()
 
     def mixed(self, checkpointed: StrategyCosts, stages: tuple[bool, ...]) -> StrategyCosts:
         """Rows of ``checkpointed`` for the stages flagged in ``stages``, this one's for the rest."""
@@ -157,7 +163,7 @@ class StrategyCosts:
             np.where(pick, checkpointed.layer_memory, self.layer_memory),
             [ck if flag else plain for plain, ck, flag in
              zip(self.replica_memory, checkpointed.replica_memory, stages, strict=True)],
-            tuple(stages),
+            tuple(stages), self.replica_sizes,
         )
 
     def stage_memory(self, starts: tuple[int, ...]) -> list[tuple[float, float]]:
@@ -224,24 +230,27 @@ class CostModel:
         return bool(self.layers.checkpointable.any())
 
     def strategy(self, stages: list[StageDevices], tp: int, microbatch_size: int,
-                 microbatches: int, checkpointed: bool = False) -> StrategyCosts:
-        """Per-stage rows of one strategy; ``checkpointed``: every checkpointable layer is."""
+                 microbatches: int, checkpointed: bool = False,
+                 replica_sizes: tuple[int, ...] | None = None) -> StrategyCosts:
+        """Per-stage rows of one strategy; ``checkpointed``: every checkpointable layer is;
+        ``replica_sizes``: each replica's micro-batch size (default: shared by speed)."""
         k, num = len(stages), len(self.layers)
+        sizes = replica_sizes or self.replica_sizes(stages, microbatch_size)
         times = np.empty((k, num))
         memory = np.empty((k, num))
         replica_memory = []
         for j, stage in enumerate(stages):
-            times[j] = self._layer_times(stage, tp, microbatch_size, checkpointed)
+            times[j] = self._layer_times(stage, tp, sizes, checkpointed)
             in_flight = (microbatches if self.options.pipeline == "simple"
                          else min(_interleaved_in_flight(j, k), microbatches))
-            replicas = self._replica_memory(stage, tp, microbatch_size, in_flight, checkpointed)
+            replicas = self._replica_memory(stage, tp, sizes, in_flight, checkpointed)
             memory[j] = np.max([row / budget for row, budget in replicas], axis=0)
             replica_memory.append(replicas)
         cuts = np.zeros((max(num - 1, 0), max(k - 1, 1)))
         for j in range(k - 1):
             bandwidth = self._p2p_bandwidth(stages[j], stages[j + 1])
-            cuts[:, j] = 2 * (self.options.message_latency_s + self.cut * microbatch_size / bandwidth)
-        return StrategyCosts(times, cuts, memory, replica_memory, (checkpointed,) * k)
+            cuts[:, j] = 2 * (self.options.message_latency_s + self.cut * max(sizes) / bandwidth)
+        return StrategyCosts(times, cuts, memory, replica_memory, (checkpointed,) * k, tuple(sizes))
 
     def fixed_overhead(self, pp: int, microbatches: int) -> float:
         """Per-micro-batch stage overhead through the pipeline: ``(B − 1 + pp)·o``.
@@ -251,23 +260,33 @@ class CostModel:
         """
         return (microbatches - 1 + pp) * self.options.microbatch_overhead_s
 
-    def _shares(self, stage: StageDevices) -> np.ndarray:
-        """Fraction of the stage's samples each replica takes (proportional to its speed)."""
-        speeds = stage.replica_speeds(self.options)
-        return speeds / speeds.sum()
+    def replica_sizes(self, stages: list[StageDevices], microbatch_size: int) -> tuple[int, ...]:
+        """Samples in each pipeline replica's micro-batch: the ``dp × microbatch_size`` of a step's
+        micro-batch shared in proportion to each replica's speed (its slowest stage's), whole and
+        at least one each, by largest remainder (ties to the earlier replica)."""
+        speeds = np.min([stage.replica_speeds(self.options) for stage in stages], axis=0)
+        total = microbatch_size * speeds.size
+        if np.all(speeds == speeds[0]):
+            return (microbatch_size,) * speeds.size
+        exact = total * speeds / speeds.sum()
+        sizes = np.maximum(np.floor(exact).astype(int), 1)
+        while sizes.sum() > total:  # the ones raised to one sample came out of the largest
+            sizes[int(np.argmax(np.where(sizes > 1, sizes - exact, -np.inf)))] -= 1
+        for r in sorted(range(sizes.size), key=lambda r: (sizes[r] - exact[r], r))[:total - int(sizes.sum())]:
+            sizes[r] += 1
+        return tuple(int(s) for s in sizes)
 
-    def _layer_times(self, stage: StageDevices, tp: int, microbatch_size: int,
+    def _layer_times(self, stage: StageDevices, tp: int, sizes: tuple[int, ...],
                      checkpointed: bool = False) -> np.ndarray:
-        samples = microbatch_size * len(stage.replicas)
         per_sample = np.array([self.sample_times(speed, bandwidth, checkpointed, tp) for speed, bandwidth in
                                zip(stage.replica_speeds(self.options), stage.replica_bandwidths(self.options),
                                    strict=True)])  # (replicas, layers)
-        # each replica takes its share of the samples; the stage waits for the last to finish
-        compute = (samples * self._shares(stage)[:, None] * per_sample).max(axis=0)
+        # each replica runs its own micro-batch size; the stage waits for the last to finish
+        compute = (np.asarray(sizes, dtype=float)[:, None] * per_sample).max(axis=0)
         if tp == 1:
             return compute
         bandwidth = min(self.cluster.bandwidth(r[0].node, r[0].node) for r in stage.replicas)
-        biggest = samples * self._shares(stage).max()
+        biggest = max(sizes)
         latency = self.options.collective_latency_s * self._collective_calls(tp, checkpointed)
         moved = 2 * (tp - 1) / tp * self._collective_bytes(tp, checkpointed) * biggest / bandwidth
         return compute + moved + latency
@@ -322,15 +341,14 @@ class CostModel:
                                                   minlength=len(self.layers))
         return self._sample_times[key]
 
-    def _replica_memory(self, stage: StageDevices, tp: int, microbatch_size: int,
+    def _replica_memory(self, stage: StageDevices, tp: int, sizes: tuple[int, ...],
                         in_flight: int, checkpointed: bool = False) -> list[tuple[np.ndarray, float]]:
         """Per replica: bytes each layer takes on one of its devices, and that device's budget."""
-        samples = microbatch_size * len(stage.replicas)
         state, act = self._per_rank(tp, checkpointed)
         out = []
-        for replica, share in zip(stage.replicas, self._shares(stage), strict=True):
+        for replica, size in zip(stage.replicas, sizes, strict=True):
             budget = min(d.type.memory_bytes for d in replica) * self.options.memory_fraction
-            row = state + self.layers.buffer_bytes + act * samples * share * in_flight
+            row = state + self.layers.buffer_bytes + act * size * in_flight
             out.append((row, budget))
         return out
 

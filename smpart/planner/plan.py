@@ -9,8 +9,10 @@ from functools import cached_property
 from typing import Any
 
 from smpart.config import Config
+from smpart.devices import device_spec
 from smpart.errors import PlanError
 from smpart.partition.result import Partition
+from smpart.planner.cluster import Device
 from smpart.planner.cost import StageDevices
 from smpart.planner.layers import LayerSeq
 
@@ -40,6 +42,9 @@ class Plan:
     pipeline: str = "interleaved"
     #: Per stage: whether it checkpoints its layers; () when no stage does.
     checkpointed: tuple[bool, ...] = ()
+    #: Samples in a micro-batch of each data-parallel replica: shared by speed on mixed devices
+    #: (the runtime's ``data_parallel_shares``), all ``microbatch_size`` otherwise.
+    replica_sizes: tuple[int, ...] = ()
 
     # ---------------------------------------------------------------- derived
     @property
@@ -105,14 +110,41 @@ class Plan:
         return [stage.describe() + suffix for stage in self.stages]
 
     @property
+    def rank_devices(self) -> list[Device]:
+        """The device each rank runs on, in ``torchrun``'s rank order (stage, then replica, then
+        tensor-parallel shard: the runtime's layout)."""
+        return [d for stage in self.stages for replica in stage.replicas for d in replica]
+
+    @property
+    def launch_order(self) -> list[int]:
+        """The cluster's nodes in the order to launch them (``torchrun --node-rank`` 0, 1, ...): the
+        order in which the plan laid its stages over them."""
+        return list(dict.fromkeys(d.node for d in self.rank_devices))
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the plan runs on more than one device type."""
+        return len({d.type for d in self.rank_devices}) > 1
+
+    @property
+    def data_parallel_shares(self) -> list[int] | None:
+        """Each replica's share of the batch (its micro-batch size) when they differ, else None."""
+        sizes = self.replica_sizes
+        return list(sizes) if sizes and len(set(sizes)) > 1 else None
+
+    @property
     def config(self) -> Config:
-        """A `Config` for `smpart.init` that reproduces this plan (pins fix every layer's stage)."""
+        """A `Config` for `smpart.init` that reproduces this plan: pins fix every layer's stage
+        (the uneven split on mixed devices included); on mixed devices also each replica's batch
+        share and each rank's device type, which ``init`` checks (`Plan.launch_order`)."""
         return Config(
             pipeline_parallel_degree=self.pp,
             microbatches=self.microbatches,
             pipeline=self.pipeline,
             tensor_parallel_degree=self.tp,
             data_parallel_degree=self.dp,
+            data_parallel_shares=self.data_parallel_shares,
+            device_types=[device_spec(d.type) for d in self.rank_devices] if self.mixed else None,
             memory_weight=self.memory_weight,
             pin=self.layers.pins(self.stage_of_layer) if self.pp > 1 else {},
             activation_checkpointing=self.activation_checkpointing,
@@ -123,7 +155,7 @@ class Plan:
         if self.checkpointed_stages:
             checkpointing = f", checkpointing stage(s) {_stage_list(self.checkpointed_stages)}"
         return (f"pp={self.pp} tp={self.tp} dp={self.dp} B={self.microbatches} "
-                f"mbs={self.microbatch_size}{checkpointing}: {seconds(self.time_s)}/iter")
+                f"mbs={_sizes(self)}{checkpointing}: {seconds(self.time_s)}/iter")
 
     def to_dict(self) -> dict[str, Any]:
         bounds = [*self.starts, len(self.layers)]
@@ -132,6 +164,7 @@ class Plan:
             "pp": self.pp, "tp": self.tp, "dp": self.dp,
             "microbatches": self.microbatches, "microbatch_size": self.microbatch_size,
             "time_s": self.time_s, "pipeline_s": self.pipeline_s, "dp_sync_s": self.dp_sync_s,
+            "replica_microbatch_sizes": list(self.replica_sizes), "launch_order": self.launch_order,
             "stages": [
                 {
                     "devices": [d.rank for d in stage.devices],
@@ -208,7 +241,7 @@ class Plans:
             table.add_column(column, justify="left" if column == "layers per stage" else "right")
         for rank, plan in enumerate(self.plans[:top], 1):
             table.add_row(str(rank), str(plan.pp), str(plan.tp), str(plan.dp), str(plan.microbatches),
-                          str(plan.microbatch_size), seconds(plan.time_s), seconds(plan.pipeline_s),
+                          _sizes(plan), seconds(plan.time_s), seconds(plan.pipeline_s),
                           seconds(plan.dp_sync_s), f"{plan.memory_use:.0%}",
                           _stage_list(plan.checkpointed_stages) or "-", _layer_counts(plan),
                           style="bold green" if rank == 1 else None)
@@ -245,6 +278,12 @@ def _stage_list(stages: list[int]) -> str:
         else:
             runs.append([j])
     return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def _sizes(plan: Plan) -> str:
+    """The micro-batch size, or each replica's (``4:4:2:2``) when they differ."""
+    shares = plan.data_parallel_shares
+    return ":".join(map(str, shares)) if shares else str(plan.microbatch_size)
 
 
 def _layer_counts(plan: Plan, shown: int = 8) -> str:

@@ -35,6 +35,7 @@ The lower bound used for pruning stays a bound: checkpointing only adds time.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from collections.abc import Callable
@@ -43,9 +44,9 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from smpart.errors import PlanError
-from smpart.planner.assign import LayerAssignment, assign_layers
+from smpart.planner.assign import LayerAssignment, assign_layers, evaluate_assignment
 from smpart.planner.cluster import GIB, Cluster
-from smpart.planner.cost import CostModel, CostOptions, StrategyCosts
+from smpart.planner.cost import CostModel, CostOptions, StageDevices, StrategyCosts
 from smpart.planner.layers import DEFAULT_MAX_SHARE, layer_sequence
 from smpart.planner.plan import Plan, Plans
 from smpart.planner.strategies import Strategy, enumerate_strategies
@@ -113,11 +114,40 @@ def plan(
             strategy.stages, assignment.starts, pipeline + sync, pipeline, sync,
             assignment.stage_times, tuple(costs.stage_memory(assignment.starts)), model.layers,
             memory_weight, options.pipeline, costs.checkpointed if any(costs.checkpointed) else (),
+            costs.replica_sizes,
         ))
     if not ranking.plans:
         raise _nothing_fits(infeasible, cluster)
     return Plans(ranking.ranked(), cluster.num_devices, len(candidates), time.perf_counter() - started,
                  ranking.baselines)
+
+
+def price(plan: Plan, cluster: Cluster, options: CostOptions | None = None, **cost_options: object) -> Plan:
+    """``plan`` as it would run on ``cluster``: the same degrees, micro-batches, stage boundaries,
+    activation checkpointing and replica batch sizes, each of the plan's devices replaced by the
+    device of ``cluster`` with the same number (`Device.rank`, counted node by node). What a plan
+    made for other devices, say made believing them identical, costs on the devices it really
+    runs on."""
+    if cluster.num_devices != len(plan.rank_devices):
+        raise PlanError(f"the plan runs on {len(plan.rank_devices)} devices, the cluster has "
+                        f"{cluster.num_devices}")
+    options = _options(options, cost_options)
+    devices = list(cluster.devices())
+    stages = tuple(StageDevices(tuple(tuple(devices[d.rank] for d in replica) for replica in stage.replicas))
+                   for stage in plan.stages)
+    model = CostModel(plan.layers, cluster, options)
+    costs = model.strategy(list(stages), plan.tp, plan.microbatch_size, plan.microbatches,
+                           replica_sizes=plan.replica_sizes or None)
+    if plan.checkpointed:
+        everywhere = model.strategy(list(stages), plan.tp, plan.microbatch_size, plan.microbatches,
+                                    checkpointed=True, replica_sizes=plan.replica_sizes or None)
+        costs = costs.mixed(everywhere, plan.checkpointed)
+    assignment = evaluate_assignment(costs.layer_times, plan.starts, plan.microbatches, costs.cut_costs)
+    pipeline = assignment.objective + model.fixed_overhead(plan.pp, plan.microbatches)
+    sync = max(model.dp_sync_time(list(stages), plan.starts, plan.tp))
+    return dataclasses.replace(plan, stages=stages, time_s=pipeline + sync, pipeline_s=pipeline,
+                               dp_sync_s=sync, stage_times=assignment.stage_times,
+                               stage_memory=tuple(costs.stage_memory(plan.starts)))
 
 
 def _assign(costs: StrategyCosts, strategy: Strategy) -> LayerAssignment | None:

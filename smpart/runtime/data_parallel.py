@@ -40,6 +40,10 @@ step failed before its first model call holds none of the stage's parameters yet
 would not match the others' in size: a fixed-size all-reduce of the sizes goes first, and
 replicas that differ pair nothing more than it.
 
+**Replicas with batch shares** (`smpart.runtime.shares`) weigh their gradients by samples: each
+replica multiplies what it all-reduces (the buckets and the late correction) by ``weight`` =
+``dp · its samples / all samples``, so the mean is that of one process on the global batch.
+
 **A replica that never comes.** One whose rank hangs (in its backward, say) or dies without
 closing its connections never joins these collectives. Every wait here is bounded by
 ``timeout_s`` (`smpart.distributed.attendance`): before its flush and its finish a rank marks
@@ -96,9 +100,11 @@ class GradientReducer:
     """Averages one stage's gradients over its dp group, step after step (see the module docstring)."""
 
     def __init__(self, params: list[nn.Parameter], group: Any, control_group: Any, size: int,
-                 bucket_bytes: int | None = None, replica: int = 0, step: int = 0,
+                 bucket_bytes: int | None = None, replica: int = 0, weight: float = 1.0, step: int = 0,
                  attendance: Attendance | None = None, timeout_s: float = 1800.0) -> None:
         self.group, self.control_group, self.size = group, control_group, size
+        #: This replica's gradients enter the mean multiplied by it (its share of the samples × dp).
+        self.weight = weight
         self.attendance = attendance or Attendance(dist.get_rank(), store=False)  # names nobody
         self.timeout_s = timeout_s
         self._ranks = dist.get_process_group_ranks(control_group)
@@ -189,7 +195,7 @@ class GradientReducer:
             self.corrected = len(late_anywhere)
             if late_anywhere:
                 extra = [self._late.get(id(p), torch.zeros_like(_local(p))) for p in late_anywhere]
-                flat = flat_copy(extra)
+                flat = self._weighted(flat_copy(extra))
                 work = dist.all_reduce(flat, group=self.group, async_op=True)
                 self._correction = (late_anywhere, flat, work)
 
@@ -340,8 +346,11 @@ class GradientReducer:
         for p in taking:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        bucket.flat = flat_copy([_local(p.grad) for p in taking])
+        bucket.flat = self._weighted(flat_copy([_local(p.grad) for p in taking]))
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True) if taking else None
+
+    def _weighted(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat if self.weight == 1.0 else flat.mul_(self.weight)
 
 
 def stage_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:

@@ -44,6 +44,21 @@ def split_arguments(fn: Callable, args: tuple, kwargs: dict, microbatches: int, 
     return out
 
 
+def batch_samples(fn: Callable, args: tuple, kwargs: dict, *, skip: Callable[[Any], bool],
+                  non_split: Iterable[str] = (), axes: dict[str, int] | None = None) -> int | None:
+    """The step's batch size: the length of its first split tensor along its split axis (None
+    when nothing is split). Call it after `split_arguments`, which checked the arguments."""
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    non_split, axes = set(non_split), dict(axes or {})
+    for name, value in bound.arguments.items():
+        if name in non_split or skip(value):
+            continue
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                return int(leaf.shape[axes.get(name, 0)])
+    return None
+
+
 def _split_value(name: str, value: Any, microbatches: int, axis: int) -> list[Any]:
     leaves, spec = pytree.tree_flatten(value)
     columns = [_split_leaf(name, leaf, microbatches, axis) for leaf in leaves]

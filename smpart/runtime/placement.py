@@ -22,6 +22,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from smpart.config import Config
+from smpart.devices import DeviceType, as_device_type
 from smpart.errors import ConfigError, PartitionError
 from smpart.partition.result import Partition
 from smpart.runtime.calls import install, uninstall
@@ -122,8 +123,12 @@ def _trace_and_partition(model: nn.Module, args: tuple, kwargs: dict, config: Co
     real = config.trace_device == "real"
     tree = trace(model, args, kwargs, device=None if real else "meta", measure_time=real,
                  param_memory_factor=config.param_memory_factor)
-    part = partition(tree, config.partition_stages, memory_weight=config.memory_weight, pin=pins)
-    if config.virtual_stages > 1:  # stage s runs on rank s % pp
+    devices = stage_device_types(config)
+    if devices is not None and config.virtual_stages > 1:  # stage s runs on rank s % pp
+        devices = [devices[s % config.pipeline_parallel_degree] for s in range(config.partition_stages)]
+    part = partition(tree, config.partition_stages, memory_weight=config.memory_weight, pin=pins,
+                     devices=devices)
+    if config.virtual_stages > 1:
         part.meta["ranks"] = config.pipeline_parallel_degree
     return part
 
@@ -131,6 +136,27 @@ def _trace_and_partition(model: nn.Module, args: tuple, kwargs: dict, config: Co
 def ranks_of(partition: Partition) -> int:
     """The pipeline ranks a partition runs on: its stages, or fewer with virtual stages."""
     return int(partition.meta.get("ranks", partition.num_stages))
+
+
+def stage_device_types(config: Config) -> list[DeviceType] | None:
+    """The device type each stage is cut for, from ``config.device_types`` (one per rank): the
+    slowest among the stage's ranks (its replicas and tensor-parallel shards); None with one stage
+    (nothing to cut) or no types."""
+    from smpart.distributed.launch import Layout
+
+    kinds, pp, tp = config.device_types, config.pipeline_parallel_degree, config.tensor_parallel_degree
+    if not kinds or pp == 1:
+        return None
+    if len(kinds) % (pp * tp):
+        raise ConfigError(f"device_types lists {len(kinds)} type(s), not a multiple of "
+                          f"pipeline_parallel_degree x tensor_parallel_degree = {pp * tp}; give one per rank")
+    layout = Layout(pp, len(kinds) // (pp * tp), tp, config.placement_strategy)
+    stages = []
+    for stage in range(pp):
+        ranks = [layout.rank_of(stage, d, t) for d in range(layout.dp) for t in range(tp)]
+        types = [as_device_type(kinds[r]) for r in ranks]
+        stages.append(min(types, key=lambda k: (k.tflops, k.memory_bytes)))
+    return stages
 
 
 def module_stages(model: nn.Module, partition: Partition) -> dict[str, int]:

@@ -65,6 +65,7 @@ from smpart.runtime.replicas import (
     share_buffers,
     share_random_state,
 )
+from smpart.runtime.shares import check_batch_shares, replica_weight
 from smpart.runtime.stage import POLL_S, StageServer
 from smpart.runtime.state_exchange import StateExchange
 from smpart.runtime.step_run import StepRun
@@ -248,7 +249,7 @@ class ProcessRuntime:
 
     # ================================================================ steps
     def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]],
-                 model: Any = None) -> tuple[list[Any], Any]:
+                 model: Any = None, samples: int | None = None) -> tuple[list[Any], Any]:
         from smpart.runtime.runtime import _in_step, in_a_step
 
         if in_a_step():
@@ -261,7 +262,7 @@ class ProcessRuntime:
                 self._start_alike(pieces)
                 if self.is_driver:
                     self.states.before_step(step)  # its parameters hold still until the step begins
-                    return self._drive(step, fn, pieces, model)
+                    return self._drive(step, fn, pieces, model, samples)
                 self.states.answer_waiting()  # before the stage may begin the step (`arm`)
                 self.states.done_asking(self.driver_place, step)
                 return self._follow(step, fn, model, pieces)
@@ -271,11 +272,11 @@ class ProcessRuntime:
                 _in_step.active = False
 
     def _drive(self, step: int, fn: Callable, pieces: list[tuple[tuple, dict]],
-               model: Any) -> tuple[list[Any], Any]:
+               model: Any, samples: int | None) -> tuple[list[Any], Any]:
         error: BaseException | None = None
         results = timeline = None
         try:
-            self._check_replicas_agree(pieces)
+            self._check_replicas_agree(pieces, samples)
             self._begin_gradient_sync()
             results, timeline = program_steps.drive(self, step, fn, pieces, model,
                                             lambda: StepRun(self, step, fn, pieces).execute())
@@ -404,9 +405,11 @@ class ProcessRuntime:
             if self._reducer is None or [id(p) for p in self._reducer.params] != [id(p) for p in params]:
                 if self._reducer is not None:
                     self._reducer.remove()
+                weight = replica_weight(self.config.data_parallel_shares, self.dp_rank)
                 self._reducer = GradientReducer(params, self.setup.dp_group, self.setup.dp_control_group,
-                                                self.layout.dp, replica=self.dp_rank, step=self.steps_taken,
-                                                attendance=self.attendance, timeout_s=self.config.timeout_s)
+                                                self.layout.dp, replica=self.dp_rank, weight=weight,
+                                                step=self.steps_taken, attendance=self.attendance,
+                                                timeout_s=self.config.timeout_s)
             return self._reducer
 
     def finish_gradients(self, failed: bool) -> int | None:
@@ -453,12 +456,16 @@ class ProcessRuntime:
         if error is not None:
             raise error
 
-    def _check_replicas_agree(self, pieces: list[tuple[tuple, dict]]) -> None:
-        """Data-parallel replicas must feed batches of one size: their gradients are averaged."""
+    def _check_replicas_agree(self, pieces: list[tuple[tuple, dict]], samples: int | None = None) -> None:
+        """Data-parallel replicas must feed batches of one size, their gradients are averaged; with
+        batch shares, batches in the shares' proportions, alike but for the batch axis."""
         if self.layout.dp == 1:
             return
-        shapes = [tuple(t.shape) for piece in pieces for t in pytree.tree_leaves(piece)
-                  if isinstance(t, torch.Tensor)]
+        shares = self.config.data_parallel_shares
+        if shares:
+            check_batch_shares(samples, shares, self.dp_rank, self.setup.dp_control_group)
+        shapes = [tuple(t.shape)[1:] if shares else tuple(t.shape) for piece in pieces
+                  for t in pytree.tree_leaves(piece) if isinstance(t, torch.Tensor)]
         # every step: one small all-reduce of a digest (its max and its negated min), on CPU
         digest = int.from_bytes(hashlib.sha256(repr(shapes).encode()).digest()[:7], "little")
         extremes = torch.tensor([digest, -digest], dtype=torch.int64)

@@ -65,7 +65,9 @@ class Runtime:
         return stage
 
     def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]],
-                 model: DistributedModel) -> tuple[list[Any], Any]:
+                 model: DistributedModel, samples: int | None = None) -> tuple[list[Any], Any]:
+        """Run ``fn`` over ``pieces`` (one per micro-batch) for ``model``; ``samples``: the step's batch
+        size (what data-parallel replicas with batch shares check; none on threads)."""
         if in_a_step():
             raise SmpartError("an @smpart.step function was called inside another step (or from a module "
                               "running in one); steps do not nest: call the inner step after the outer "
@@ -143,7 +145,12 @@ def init(config: Config | dict[str, Any] | None = None, **kwargs: Any) -> Config
         atexit.unregister(_shutdown_at_exit)
         atexit.register(_shutdown_at_exit)
         return cfg
-    if cfg.tensor_parallel_degree != 1 or (cfg.data_parallel_degree or 1) != 1:
+    if cfg.device_types and len(cfg.device_types) != cfg.pipeline_parallel_degree:
+        stages, given = cfg.pipeline_parallel_degree, len(cfg.device_types)
+        raise ConfigError(f"on threads device_types names each stage's device: give {stages} type(s), one "
+                          f"per stage, not {given}")
+    if cfg.tensor_parallel_degree != 1 or (cfg.data_parallel_degree or 1) != 1 or len(
+            cfg.data_parallel_shares or [1]) != 1:
         raise ConfigError("on threads (no torchrun) smpart runs pipeline parallelism only: "
                           "tensor_parallel_degree and data_parallel_degree need one process per rank "
                           "(launch with torchrun --nproc-per-node <pp x tp x dp>)")

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from smpart.errors import SmpartError
-from smpart.runtime.microbatches import StepOutput, split_arguments, step_outputs
+from smpart.runtime.microbatches import StepOutput, batch_samples, split_arguments, step_outputs
 from smpart.runtime.model import DistributedModel
 from smpart.runtime.placement import keep_hf_checkpoints_within_stages
 from smpart.runtime.runtime import current_runtime
@@ -34,10 +34,11 @@ class StepFunction:
         model = _the_model(self.fn, args, kwargs)
         if model._partition is not None:
             keep_hf_checkpoints_within_stages(model.module, model._partition)
-        pieces = split_arguments(self.fn, args, kwargs, runtime.config.microbatches,
-                                 skip=lambda v: isinstance(v, DistributedModel | nn.Module),
-                                 non_split=self.non_split_inputs, axes=self.input_split_axes)
-        results, timeline = runtime.run_step(self.fn, pieces, model)
+        split = dict(skip=lambda v: isinstance(v, DistributedModel | nn.Module),
+                     non_split=self.non_split_inputs, axes=self.input_split_axes)
+        pieces = split_arguments(self.fn, args, kwargs, runtime.config.microbatches, **split)
+        samples = batch_samples(self.fn, args, kwargs, **split)
+        results, timeline = runtime.run_step(self.fn, pieces, model, samples=samples)
         _warn_if_unsplit(self.fn, model)
         return step_outputs(results, timeline)
 

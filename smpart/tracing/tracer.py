@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -62,6 +63,14 @@ META = torch.device("meta")
 #: the backward instead of kept (`smpart.runtime.activation_checkpointing.CheckpointedForward`).
 RECOMPUTED_FORWARD = "smpart_recomputed"
 
+_tracing = threading.local()
+
+
+def is_tracing() -> bool:
+    """Whether this thread is inside `trace`: the model's forward runs on example inputs (on the
+    meta device by default) only to be measured, as SMP's ``smp.is_tracing()`` tells a script."""
+    return getattr(_tracing, "depth", 0) > 0
+
 
 def trace(
     model: nn.Module,
@@ -81,6 +90,15 @@ def trace(
 
     Raises `TraceError` naming the module that failed when the example inputs do not fit.
     """
+    _tracing.depth = getattr(_tracing, "depth", 0) + 1
+    try:
+        return _trace(model, example_args, example_kwargs, device, measure_time, param_memory_factor)
+    finally:
+        _tracing.depth -= 1
+
+
+def _trace(model: nn.Module, example_args: Any, example_kwargs: dict[str, Any] | None,
+           device: str | torch.device | None, measure_time: bool, param_memory_factor: float) -> ModuleTree:
     args, kwargs = _check_arguments(model, example_args, example_kwargs, param_memory_factor)
     inventory = ModuleInventory.of(model)
     home = _home_device(model)
@@ -94,7 +112,7 @@ def trace(
             warnings.warn(
                 "measure_time needs a real device; the trace ran on meta, so compute is counted "
                 "in FLOPs (pass device=None to time the model where it lives)",
-                stacklevel=2,
+                stacklevel=3,
             )
         elif measure_time:
             seconds, forward_share = _measure_seconds(model, inventory, args, kwargs, ran_on, home,
@@ -161,7 +179,7 @@ def _record_flops(model, inventory, args, kwargs, target, home) -> tuple[CallRec
         f"{type(model).__name__} could not be traced on the meta device ({meta_failure.where()}: "
         f"{type(meta_failure.error).__name__}), probably because its forward looks at tensor values; "
         f"traced it on {home} with its own weights instead (nothing was copied)",
-        stacklevel=3,
+        stacklevel=4,
     )
     return recorder, home
 

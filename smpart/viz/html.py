@@ -26,8 +26,12 @@ Duck-typed inputs, so this module depends on no other room's classes:
 - ``grid``: None for the default (weights 0.0…1.0 by 0.1 × stages 1…8), False or an empty list for
   none, ``{"memory_weights": [...], "stages": [...]}``, an iterable of ``(memory_weight,
   num_stages)`` pairs, or of ready `Partition` objects.
-- Device capacity: ``partition.meta["device_memory"]`` (bytes per stage) and optionally
-  ``partition.meta["device_names"]``, as a partition made from a plan carries them.
+- Devices: ``partition.meta["device_memory"]`` (bytes per stage) and optionally
+  ``partition.meta["device_names"]``, as a partition made from a plan carries them; and
+  ``partition.meta["device_tflops"]`` (per stage), as ``partition(..., devices=...)`` records it:
+  the page then draws each stage's time (its weighted cost ÷ its device's speed) against the
+  perfectly balanced time, and the grid's partitions of that stage count are cut for the same
+  devices (``partition.meta["devices"]``), so the slider keeps the user's devices.
 - Tensor parallelism: ``partition.meta["tensor_parallel"]`` (``{"degree", "split": {node: style}}``,
   as a plan's or the runtime's partition carries it) becomes ``base["tp"]``: the degree, each
   split node's style by node index, and a sentence per style saying what it means. Without that
@@ -136,7 +140,8 @@ def explorer_data(
         "unit": tree.compute_unit,
         "tree": encode_tree(tree),
         "base": base,
-        "grid": _grid(tree, order, grid, pins=partition.meta.get("pins") or {}),
+        "grid": _grid(tree, order, grid, pins=partition.meta.get("pins") or {},
+                      devices=partition.meta.get("devices")),
         "timeline": timeline_events(timeline),
         "plans": plan_table(plans),
     }
@@ -205,7 +210,11 @@ def _devices(partition: Partition) -> dict[str, Any] | None:
     if not memory:
         return None
     names = partition.meta.get("device_names") or [f"device {i}" for i in range(len(memory))]
-    return {"memory": [float(m) for m in memory], "names": [str(n) for n in names]}
+    out: dict[str, Any] = {"memory": [float(m) for m in memory], "names": [str(n) for n in names]}
+    tflops = partition.meta.get("device_tflops")
+    if tflops and len(tflops) == len(memory):
+        out["tflops"] = [float(t) for t in tflops]
+    return out
 
 
 def _tensor_parallel(partition: Partition, order: list[str]) -> dict[str, Any] | None:
@@ -224,11 +233,13 @@ def _tensor_parallel(partition: Partition, order: list[str]) -> dict[str, Any] |
 
 
 # ==================================================================== the precomputed grid
-def _grid(tree: ModuleTree, order: list[str], grid: Any, *, pins: Mapping[str, int]) -> dict[str, Any]:
+def _grid(tree: ModuleTree, order: list[str], grid: Any, *, pins: Mapping[str, int],
+          devices: list[Any] | None = None) -> dict[str, Any]:
     """Partitions for every grid point, run-length encoded; ``note`` says why one is missing.
 
     The user's pins (``partition.meta["pins"]``) are kept at every grid point whose stage count
-    has room for them, so the slider moves *their* partition, not a different problem's.
+    has room for them, and the user's devices at every grid point of their stage count, so the
+    slider moves *their* partition, not a different problem's.
     """
     parts: list[dict[str, Any]] = []
     if grid is False:
@@ -250,7 +261,9 @@ def _grid(tree: ModuleTree, order: list[str], grid: Any, *, pins: Mapping[str, i
             continue
         try:
             fitting = {module: s for module, s in pins.items() if s < stages}
-            parts.append(_encode_partition(cut(tree, stages, memory_weight=weight, pin=fitting), order))
+            on = devices if devices and len(devices) == stages else None
+            cut_here = cut(tree, stages, memory_weight=weight, pin=fitting, devices=on)
+            parts.append(_encode_partition(cut_here, order))
         except PartitionError as err:
             skipped.append(f"{stages} stages at w={weight}: {err}")
     axes = _axes(parts) if parts else {"weights": [], "stages": []}

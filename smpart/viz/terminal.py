@@ -63,36 +63,64 @@ def partition_tree_view(part: Partition, max_depth: int | None = None) -> Tree:
 
 def stage_table(part: Partition) -> Table:
     """One row per stage: modules, compute share, memory, parameters, weighted cost; under tensor
-    parallelism also how many of its modules are split (``tp×2 split``)."""
+    parallelism also how many of its modules are split (``tp×2 split``). A partition cut for
+    devices (``partition(..., devices=...)``, or a plan's) names each stage's device and shows the
+    memory against it; cut for devices of unequal speed, also each stage's time (cost ÷ speed)."""
     loads = part.stage_loads()
     total_compute = sum(s.compute for s in loads) or 1.0
     split = tensor_split(part)
+    devices = _device_labels(part)
+    capacity = part.meta.get("device_memory")
+    timed = part.devices is not None and len(set(part.stage_speeds)) > 1
     table = Table(title=f"{part.num_stages} stages, memory_weight={part.memory_weight:g}")
     columns = ["stage", "modules", "compute", "memory", "params", "cost"]
     if split is not None:
         columns.insert(2, f"tp×{split.degree} split")
+    if timed:
+        columns.append("time")
+    if devices is not None:
+        columns.append("device")
     for column in columns:
-        table.add_column(column, justify="left" if column == "stage" else "right")
+        table.add_column(column, justify="left" if column in ("stage", "device") else "right")
+    times = part.stage_times
     for stage, load in enumerate(loads):
-        cells = [
+        memory = _bytes(load.memory) + (f" / {_bytes(capacity[stage])}" if capacity else "")
+        over = bool(capacity) and load.memory > capacity[stage]
+        cells: list[str | Text] = [
             Text(f"stage {stage}", style=stage_colour(stage)),
             str(len(part.modules_on(stage))),
             f"{100 * load.compute / total_compute:.1f}%",
-            _bytes(load.memory),
+            Text(memory, style="bold red" if over else ""),
             _count(load.param_count),
             f"{load.cost:.3f}",
         ]
         if split is not None:
             cells.insert(2, str(sum(1 for name in split.styles if part.node_stage[name] == stage)))
+        if timed:
+            cells.append(f"{times[stage]:.3f}")
+        if devices is not None:
+            cells.append(devices[stage])
         table.add_row(*cells)
     return table
+
+
+def _device_labels(part: Partition) -> list[str] | None:
+    """Each stage's device in words: its type (speed and memory), or a plan's description."""
+    kinds = part.devices
+    if kinds is not None:
+        return [kind.describe() for kind in kinds]
+    names = part.meta.get("device_names")
+    return [str(n) for n in names] if names and len(names) == part.num_stages else None
 
 
 def stage_summary(part: Partition) -> Text:
     """One line: how uneven the stages are and how much activation crosses the cuts; under tensor
     parallelism a second: how many modules are split, by style."""
+    timed = part.devices is not None and len(set(part.stage_speeds)) > 1
+    first = (f"time on each stage's device {part.imbalance:.3f} (slowest ÷ perfectly balanced)" if timed
+             else f"cost {part.imbalance:.3f}")
     text = Text(
-        f"imbalance (max/mean): cost {part.imbalance:.3f} · compute {part.compute_imbalance:.3f} · "
+        f"imbalance (max/mean): {first} · compute {part.compute_imbalance:.3f} · "
         f"memory {part.memory_imbalance:.3f} · {_bytes(part.cut_bytes())} of activations cross stages"
     )
     split = tensor_split(part)

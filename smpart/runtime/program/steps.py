@@ -357,7 +357,12 @@ def drive(
     programs = programs_of(model) if model._runtime is runtime else None
     ambient = capture()
     config = runtime.config
+    # data-parallel replicas run a step alike, on one runtime (their averages pair up): one small
+    # all-reduce of the first stages' decisions (a replica whose first step failed places later)
+    agreeing = runtime.layout.dp > 1 and config.step_programs
     if programs is None:
+        if agreeing:
+            runtime.most_on_replicas(1)
         results, timeline, recorded = _reference(reference, "the first step places the model (recording)",
                                                  record=config.step_programs)
         programs = programs_of(model) if model._runtime is runtime else None
@@ -368,6 +373,8 @@ def drive(
         return results, timeline
     key = step_key(fn, pieces, config, ambient, model)
     decision = programs.decide(key, config.step_programs)
+    if agreeing and runtime.most_on_replicas(int(decision.reference)) and not decision.reference:
+        decision = Decision(key, "another data-parallel replica runs this step on the reference runtime")
     if decision.reference:
         results, timeline, recorded = _reference(reference, programs.reason_for(key) or decision.reason,
                                                  record=decision.record)
@@ -572,7 +579,7 @@ class ProcessProgramStep:
         if code:
             runtime.begin_again()
             return code
-        if error is None:
+        if error is None and runtime.is_driver:  # the others hear it in the step's `StepResult`
             raise runtime.replica_failed(failing)
         return 0
 

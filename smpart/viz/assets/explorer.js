@@ -589,20 +589,33 @@
       '(1 − w)·compute + w·memory, w = ' + state.part.w.toFixed(2);
     const traffic = figure('cut traffic', fmtBytes(state.part.cut), '/step');
     traffic.title = 'activation bytes per step that cross a stage boundary';
-    document.getElementById('figures').replaceChildren(
-      weighted,
-      figure('compute', cImb.toFixed(2), '×', cImb > 1.25),
-      figure('memory', mImb.toFixed(2), '×', mImb > 1.25),
-      traffic,
-    );
     const devices = state.isBase || (DATA.base.devices && DATA.base.devices.memory.length === S)
       ? DATA.base.devices : null;
+    // On devices of unequal speed a stage's time is its weighted cost ÷ its device's speed
+    // (relative to the fastest): that is what the partitioner balanced, against the time of a
+    // perfect balance, total cost ÷ total speed.
+    const speeds = devices && devices.tflops ? relativeSpeeds(devices.tflops.slice(0, S)) : null;
+    const times = speeds ? loads.map((l, s) => l.cost / speeds[s]) : null;
+    const balanced = speeds ? loads.reduce((a, l) => a + l.cost, 0) / speeds.reduce((a, v) => a + v, 0) : 0;
+    const tImb = times && balanced > 0 ? Math.max(...times) / balanced : 1;
+    const figures = [weighted, figure('compute', cImb.toFixed(2), '×', cImb > 1.25),
+      figure('memory', mImb.toFixed(2), '×', mImb > 1.25), traffic];
+    if (times) {
+      const time = figure('time', tImb.toFixed(2), '×', tImb > 1.25);
+      time.id = 'time-figure';
+      time.title = 'slowest stage\'s time ÷ a perfect balance\'s: each stage\'s weighted cost ÷ its ' +
+        'device\'s speed, against total cost ÷ total speed';
+      figures.unshift(time);
+    }
+    document.getElementById('figures').replaceChildren(...figures);
     const maxC = Math.max(...loads.map((l) => l.compute)) || 1;
     const meanC = loads.reduce((a, l) => a + l.compute, 0) / S;
     const meanM = loads.reduce((a, l) => a + l.memory, 0) / S;
     const maxM = Math.max(...loads.map((l) => l.memory), ...(devices ? devices.memory.slice(0, S) : [])) || 1;
     // Name a bottleneck only when there is one worth naming.
-    const slowest = wImb > 1.05 ? loads.reduce((b, l, k) => (l.cost > loads[b].cost ? k : b), 0) : -1;
+    const pace = times || loads.map((l) => l.cost);
+    const slowest = (times ? tImb : wImb) > 1.05 ? pace.reduce((b, t, k) => (t > pace[b] ? k : b), 0) : -1;
+    const maxT = times ? Math.max(...times, balanced) || 1 : 1;
     const rowsOut = loads.map((L, s) => {
       const row = el('div', 'stage-row');
       row.dataset.stage = String(s);
@@ -611,6 +624,11 @@
       b.textContent = 'stage ' + s;
       who.appendChild(b);
       if (devices && devices.names[s]) who.appendChild(el('span', 'dev', devices.names[s]));
+      if (speeds) {
+        const speed = el('span', 'dev speed', fmtTflops(devices.tflops[s]));
+        speed.title = 'peak TFLOPS of this stage\'s device: ' + (speeds[s] * 100).toFixed(0) + '% of the fastest';
+        who.appendChild(speed);
+      }
       who.appendChild(el('span', 'dev', fmtCount(L.params) + ' params'));
       if (s === slowest) {
         const tag = el('span', 'slowest', 'bottleneck');
@@ -619,6 +637,14 @@
       }
       row.appendChild(who);
       const bars = el('div', 'bars');
+      if (times) {
+        const time = barLine('time', times[s] / maxT, stageColor(s), (times[s] / balanced).toFixed(2) + '× balanced', false);
+        const mark = meanMark(balanced / maxT, '');
+        mark.title = 'a perfect balance: every stage this long (total cost ÷ total speed)';
+        time.querySelector('.track').appendChild(mark);
+        time.classList.add('time');
+        bars.appendChild(time);
+      }
       const compute = barLine('compute', L.compute / maxC, stageColor(s), fmtCompute(L.compute), false);
       compute.querySelector('.track').appendChild(meanMark(meanC / maxC, fmtCompute(meanC)));
       bars.appendChild(compute);
@@ -637,6 +663,14 @@
       return row;
     });
     document.getElementById('stage-bars').replaceChildren(...rowsOut);
+  }
+  /** Each speed as a share of the fastest. */
+  function relativeSpeeds(tflops) {
+    const fastest = Math.max(...tflops) || 1;
+    return tflops.map((t) => t / fastest);
+  }
+  function fmtTflops(t) {
+    return (t >= 100 ? t.toFixed(0) : t.toPrecision(3)) + ' TFLOPS';
   }
   /** A dashed tick at the mean: how far each bar sticks out past it is the imbalance. */
   function meanMark(frac, text) {

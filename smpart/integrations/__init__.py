@@ -1,0 +1,1 @@
+"""Glue for the tools people already train with: ``from smpart.integrations.transformers import Trainer``."""

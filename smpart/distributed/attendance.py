@@ -39,11 +39,14 @@ class Attendance:
         self.store = _default_store() if store is None else (store or None)
         # every rank makes one per init, in the same order: the same keys everywhere
         self._prefix = f"smpart/attendance/{next(_generations)}/" if self.store is not None else ""
+        #: The last collective this rank said it reached: (ordinal, where).
+        self.last: tuple[int, str] = (-1, "the start of this init")
         #: rank -> how to name it in an error ("rank 3 (data-parallel replica 1)").
         self._describe_rank = describe_rank or (lambda r: f"rank {r}")
 
     def arrive(self, ordinal: int, where: str) -> None:
         """Say this rank reached collective ``ordinal`` (described as ``where``)."""
+        self.last = (ordinal, where)
         if self.store is not None:
             self.store.set(self._prefix + str(self.rank), f"{ordinal} {where}")
 

@@ -419,9 +419,15 @@ class ProcessRuntime:
         return self._current_reducer().finish(failed=failed)
 
     def most_on_replicas(self, code: int) -> int:
-        """The largest ``code`` of the data-parallel replicas (one small all-reduce)."""
+        """The largest ``code`` of the data-parallel replicas (one small all-reduce, at most
+        ``timeout_s``: a replica that never comes is named, as of where it was last seen)."""
         value = torch.tensor([code], dtype=torch.int64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.setup.dp_control_group)
+        group = self.setup.dp_control_group
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        mark, _ = self.attendance.last
+        self.attendance.wait(work, self.config.timeout_s, mark,
+                             f"the replicas' agreement on how step {self.steps_taken + 1} runs",
+                             dist.get_process_group_ranks(group))
         return int(value.item())
 
     def begin_again(self) -> None:
@@ -461,19 +467,23 @@ class ProcessRuntime:
         batch shares, batches in the shares' proportions, alike but for the batch axis."""
         if self.layout.dp == 1:
             return
+        group, phase = self.setup.dp_control_group, ordinal(self.steps_taken, CHECK)
+        where = f"the check of the replicas' batches at the start of step {self.steps_taken + 1}"
+        self.attendance.arrive(phase, where)
+        ranks = dist.get_process_group_ranks(group)
+
+        def wait(work: Any) -> None:
+            self.attendance.wait(work, self.config.timeout_s, phase, where, ranks)
+
         shares = self.config.data_parallel_shares
         if shares:
-            check_batch_shares(samples, shares, self.dp_rank, self.setup.dp_control_group)
+            check_batch_shares(samples, shares, self.dp_rank, group, wait)
         shapes = [tuple(t.shape)[1:] if shares else tuple(t.shape) for piece in pieces
                   for t in pytree.tree_leaves(piece) if isinstance(t, torch.Tensor)]
         # every step: one small all-reduce of a digest (its max and its negated min), on CPU
         digest = int.from_bytes(hashlib.sha256(repr(shapes).encode()).digest()[:7], "little")
         extremes = torch.tensor([digest, -digest], dtype=torch.int64)
-        group, phase = self.setup.dp_control_group, ordinal(self.steps_taken, CHECK)
-        where = f"the check of the replicas' batches at the start of step {self.steps_taken + 1}"
-        self.attendance.arrive(phase, where)
-        work = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        self.attendance.wait(work, self.config.timeout_s, phase, where, dist.get_process_group_ranks(group))
+        wait(dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group, async_op=True))
         if extremes[0].item() == -extremes[1].item():
             return
         every = all_gather_objects(shapes, group, self.config.timeout_s, "the shapes of the batches")

@@ -26,7 +26,9 @@ The runtime keeps regions within a stage's turn: a call to another stage leaves 
 row partner may be there, and what follows the call draws alike again); a call that gives the
 turn back mid-region (to wait for a promised tensor) suspends it and resumes it with the turn
 (`suspend` / `resume`), since the other work this stage runs meanwhile draws from the shared
-stream; the end of a call leaves any region still open.
+stream; the end of a call leaves any region still open. A step program does the same with a
+micro-batch that stops mid-body (its suspension takes the region with it), a call to a module
+another rank holds, and the end of the body.
 """
 
 from __future__ import annotations

@@ -230,6 +230,10 @@ class Halves(nn.Module):
         return self.second(self.first(x))
 
 
+#: Virtual stages (``Config(virtual_stages=2)``): four stages of two blocks, rank r holding stages
+#: r and r + 2, as torch's ``ScheduleInterleaved1F1B`` runs them.
+INTERLEAVED_PINS = {"": 0, "head": 3, **{f"blocks.{i}": i // 2 for i in range(BLOCKS)}}
+
 HALVES_PINS = {"": 0, "first": 0, "second": 1, **{f"first.{i}": 0 for i in range(BLOCKS // 2)},
                **{f"second.{i}": 1 for i in range(BLOCKS // 2 + 1)}}
 
@@ -320,10 +324,12 @@ def run_smpart(rank: int | None, schedule: str, warmup: int, steps: int,
                halves: bool = False, reference: bool = False) -> dict[str, Any]:
     """smpart's step on whatever this process is (a rank of the pool, or threads when ``rank`` is
     None); step times are those of the driver (rank 0). ``reference``: every step on the
-    reference runtime (step programs off)."""
-    pins = HALVES_PINS if halves else PINS
-    smpart.init(pipeline_parallel_degree=STAGES, microbatches=MICROBATCHES, pipeline=schedule, pin=pins,
-                timeout_s=120, step_programs=not reference)
+    reference runtime (step programs off); schedule ``interleaved``: 1f1b over virtual stages."""
+    interleaved = schedule == "interleaved"
+    pins = HALVES_PINS if halves else INTERLEAVED_PINS if interleaved else PINS
+    smpart.init(pipeline_parallel_degree=STAGES, microbatches=MICROBATCHES, pin=pins, timeout_s=120,
+                pipeline="1f1b" if interleaved else schedule, virtual_stages=2 if interleaved else 1,
+                step_programs=not reference)
     try:
         model = smpart.DistributedModel(Halves(make_model()) if halves else make_model())
         opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
@@ -440,11 +446,23 @@ def run_torch(rank: int, schedule: str, warmup: int, steps: int) -> dict[str, An
     """torch.distributed.pipelining over hand-built stages on the pool's default (gloo) group."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    halves = Halves(make_model())
-    module = halves.first if rank == 0 else halves.second
-    stage = PipelineStage(module, rank, STAGES, torch.device("cpu"))
-    kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
-    sched = kind(stage, MICROBATCHES, loss_fn=F.cross_entropy)
+    if schedule == "interleaved":  # four stages of two blocks, rank r holding r and r + 2
+        from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+        mlp = make_model()
+        chunks = [nn.Sequential(*mlp.blocks[2 * i:2 * i + 2]) for i in range(BLOCKS // 2)]
+        chunks[-1].append(mlp.head)
+        mine = [chunks[rank], chunks[rank + STAGES]]
+        stages = [PipelineStage(chunk, index, 2 * STAGES, torch.device("cpu"))
+                  for chunk, index in zip(mine, (rank, rank + STAGES), strict=True)]
+        sched = ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=F.cross_entropy)
+        module = nn.ModuleList(mine)
+    else:
+        halves = Halves(make_model())
+        module = halves.first if rank == 0 else halves.second
+        stage = PipelineStage(module, rank, STAGES, torch.device("cpu"))
+        kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+        sched = kind(stage, MICROBATCHES, loss_fn=F.cross_entropy)
     opt = torch.optim.SGD(module.parameters(), lr=0.01)
     x, y = make_batch()
     losses: list[torch.Tensor] = []
@@ -528,6 +546,9 @@ def main() -> None:
                         help="also print where each rank's CPU and waiting went, thread by thread")
     parser.add_argument("--pin", action="store_true",
                         help="pin each rank (of the process configurations) to a core of its own")
+    parser.add_argument("--no-interleaved", dest="interleaved", action="store_false",
+                        help="skip virtual stages (smpart's virtual_stages=2, torch's "
+                             "ScheduleInterleaved1F1B)")
     parser.add_argument("--anatomy", action="store_true",
                         help="also print smpart's stages' busy time beside their work alone, and the "
                              "hand-offs between them, from the steps' timelines")
@@ -535,6 +556,8 @@ def main() -> None:
     torch.set_num_threads(1)
     proc_configs = [("smpart procs", "1f1b"), ("torch procs", "1f1b"), ("smpart procs", "gpipe"),
                     ("torch procs", "gpipe"), ("smpart ref", "1f1b"), ("smpart ref", "gpipe")]
+    if a.interleaved:
+        proc_configs += [("smpart procs", "interleaved"), ("torch procs", "interleaved")]
     if a.halves:
         proc_configs.append(("smpart procs", "1f1b halves"))
     if a.one_thread:
@@ -615,6 +638,12 @@ def main() -> None:
         print(f"  the reference runtime (step programs off) / torch {torch_name}: "
               f"{med[('smpart ref', schedule)] / med[('torch procs', schedule)]:.3f}; round by round "
               f"{', '.join(f'{r:.3f}' for r in reference)}")
+    if ("smpart procs", "interleaved") in med:
+        ours_v, theirs_v = ("smpart procs", "interleaved"), ("torch procs", "interleaved")
+        paired = [o / t for o, t in zip(per_round[ours_v], per_round[theirs_v], strict=True)]
+        print(f"smpart processes, virtual_stages=2 / torch ScheduleInterleaved1F1B: "
+              f"{med[ours_v] / med[theirs_v]:.3f}; round by round {', '.join(f'{r:.3f}' for r in paired)}; "
+              f"torch interleaved / torch 1F1B: {med[theirs_v] / med[('torch procs', '1f1b')]:.3f}")
     for schedule in ("1f1b", "gpipe"):
         ratio = med[("smpart procs", schedule)] / med[("smpart threads", schedule)]
         print(f"smpart processes / smpart threads ({schedule}): {ratio:.3f}")

@@ -149,6 +149,8 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--global-batch", type=int, required=True, help="samples per training step")
     p.add_argument("--top", type=int, default=10, help="plans to list (default 10)")
     p.add_argument("--pipeline", choices=("interleaved", "simple"), default="interleaved")
+    p.add_argument("--virtual-stages", action="store_true",
+                   help="also price 1F1B over two stages per rank (Config.virtual_stages=2)")
     p.add_argument("--json", action="store_true", help="print the plans as JSON instead of a table")
     _add_html_arguments(p)
     p.set_defaults(run=_cmd_plan)
@@ -165,7 +167,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> None:
     trace_batch = int(first.shape[0]) if getattr(first, "ndim", 0) >= 1 else 1
     tree = record_split_shares(trace(model, example_args, kwargs, device=args.device), model)
     plans = plan(tree, cluster, args.global_batch, top=args.top, pipeline=args.pipeline,
-                 trace_batch=trace_batch)
+                 trace_batch=trace_batch, virtual_stages=args.virtual_stages)
     if args.json:
         print(plans.to_json(args.top))
     else:

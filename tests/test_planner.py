@@ -604,3 +604,27 @@ def test_the_planners_activations_in_flight_are_those_of_the_runtimes_1f1b_lists
                     most = max(most, live)
                 priced = min(_interleaved_in_flight(stage, stages), microbatches)
                 assert priced == most, (stage, stages, microbatches)
+
+
+# ---------------------------------------------------------------------------- virtual stages
+def test_virtual_stages_halve_the_fill_and_drain_of_a_1f1b_pipeline():
+    """Two stages per rank (``Config.virtual_stages=2``, torch's Interleaved1F1B): on even stages of
+    time t, a 1F1B pipeline of pp ranks takes (B − 1 + pp)·t + c, c the time on the cuts;
+    interleaved, (B − 1 + pp/2)·t + 2c, a micro-batch crossing twice the cuts. Only asked for; and
+    the plan's config lets the runtime cut its 2·pp stages itself."""
+    tree, cluster = uniform_tree(16), homogeneous(1, 4)
+    assert all(p.virtual_stages == 1 for p in plan(tree, cluster, 64, tp_degrees=[1], top=500))
+    plans = list(plan(tree, cluster, 64, tp_degrees=[1], top=500, virtual_stages=True))
+    plain = {(p.pp, p.dp, p.microbatches): p for p in plans if p.virtual_stages == 1}
+    virtual = [p for p in plans if p.virtual_stages == 2]
+    assert {(p.pp, p.dp, p.microbatches) for p in virtual} == {k for k in plain if k[0] > 1}
+    for p in virtual:
+        ref = plain[(p.pp, p.dp, p.microbatches)]
+        t = max(ref.stage_times)
+        cuts = ref.pipeline_s - (p.microbatches - 1 + p.pp) * t
+        assert 0 <= cuts < 1e-3 * t
+        assert p.pipeline_s == pytest.approx((p.microbatches - 1 + p.pp / 2) * t + 2 * cuts, rel=1e-9)
+        assert p.time_s == pytest.approx(p.pipeline_s + ref.dp_sync_s, rel=1e-9)
+        config = p.config
+        assert config.virtual_stages == 2 and not config.pin
+        assert "x2 virtual" in p.summary()

@@ -45,6 +45,8 @@ class Plan:
     #: Samples in a micro-batch of each data-parallel replica: shared by speed on mixed devices
     #: (the runtime's ``data_parallel_shares``), all ``microbatch_size`` otherwise.
     replica_sizes: tuple[int, ...] = ()
+    #: Stages per pipeline rank (``Config.virtual_stages``): 2 runs ``2 pp`` stages interleaved.
+    virtual_stages: int = 1
 
     # ---------------------------------------------------------------- derived
     @property
@@ -136,7 +138,8 @@ class Plan:
     def config(self) -> Config:
         """A `Config` for `smpart.init` that reproduces this plan: pins fix every layer's stage
         (the uneven split on mixed devices included); on mixed devices also each replica's batch
-        share and each rank's device type, which ``init`` checks (`Plan.launch_order`)."""
+        share and each rank's device type, which ``init`` checks (`Plan.launch_order`). A plan over
+        virtual stages pins nothing: the runtime cuts its ``2 pp`` stages itself."""
         return Config(
             pipeline_parallel_degree=self.pp,
             microbatches=self.microbatches,
@@ -146,22 +149,25 @@ class Plan:
             data_parallel_shares=self.data_parallel_shares,
             device_types=[device_spec(d.type) for d in self.rank_devices] if self.mixed else None,
             memory_weight=self.memory_weight,
-            pin=self.layers.pins(self.stage_of_layer) if self.pp > 1 else {},
+            # virtual stages: the runtime cuts the 2 pp stages itself (pins name its stages)
+            pin=self.layers.pins(self.stage_of_layer) if self.pp > 1 and self.virtual_stages == 1 else {},
             activation_checkpointing=self.activation_checkpointing,
+            virtual_stages=self.virtual_stages,
         )
 
     def summary(self) -> str:
         checkpointing = ""
         if self.checkpointed_stages:
             checkpointing = f", checkpointing stage(s) {_stage_list(self.checkpointed_stages)}"
-        return (f"pp={self.pp} tp={self.tp} dp={self.dp} B={self.microbatches} "
+        virtual = f" x{self.virtual_stages} virtual" if self.virtual_stages > 1 else ""
+        return (f"pp={self.pp}{virtual} tp={self.tp} dp={self.dp} B={self.microbatches} "
                 f"mbs={_sizes(self)}{checkpointing}: {seconds(self.time_s)}/iter")
 
     def to_dict(self) -> dict[str, Any]:
         bounds = [*self.starts, len(self.layers)]
         names = self.layer_names
         return {
-            "pp": self.pp, "tp": self.tp, "dp": self.dp,
+            "pp": self.pp, "tp": self.tp, "dp": self.dp, "virtual_stages": self.virtual_stages,
             "microbatches": self.microbatches, "microbatch_size": self.microbatch_size,
             "time_s": self.time_s, "pipeline_s": self.pipeline_s, "dp_sync_s": self.dp_sync_s,
             "replica_microbatch_sizes": list(self.replica_sizes), "launch_order": self.launch_order,

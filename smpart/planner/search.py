@@ -63,13 +63,15 @@ def plan(
     max_share: float = DEFAULT_MAX_SHARE,
     tp_degrees: list[int] | None = None,
     max_microbatches: int | None = None,
+    virtual_stages: bool = False,
     options: CostOptions | None = None,
     **cost_options: object,
 ) -> Plans:
     """Rank the parallel strategies of ``tree`` on ``cluster`` for ``global_batch`` samples per step.
 
     ``cost_options`` are `CostOptions` fields (``trace_batch``, ``bytes_per_param``,
-    ``efficiency``, ``pipeline``, ...). Raises `PlanError` when no strategy fits in memory, naming
+    ``efficiency``, ``pipeline``, ...). ``virtual_stages``: also price each 1F1B pipeline over two
+    stages per rank (`Config.virtual_stages`). Raises `PlanError` when no strategy fits in memory, naming
     the stage that overflows least badly and by how much.
     """
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
@@ -109,13 +111,18 @@ def plan(
             continue
         sync = _sync(model, strategy, assignment)
         pipeline = assignment.objective + model.fixed_overhead(strategy.pp, strategy.microbatches)
-        ranking.add(Plan(
+        plan_ = Plan(
             strategy.pp, strategy.tp, strategy.dp, strategy.microbatches, strategy.microbatch_size,
             strategy.stages, assignment.starts, pipeline + sync, pipeline, sync,
             assignment.stage_times, tuple(costs.stage_memory(assignment.starts)), model.layers,
             memory_weight, options.pipeline, costs.checkpointed if any(costs.checkpointed) else (),
             costs.replica_sizes,
-        ))
+        )
+        ranking.add(plan_)
+        if virtual_stages and options.pipeline == "interleaved":  # 1f1b: also over virtual stages
+            interleaved = _interleaved(plan_, assignment.objective, model)
+            if interleaved is not None:
+                ranking.add(interleaved)
     if not ranking.plans:
         raise _nothing_fits(infeasible, cluster)
     return Plans(ranking.ranked(), cluster.num_devices, len(candidates), time.perf_counter() - started,
@@ -148,6 +155,23 @@ def price(plan: Plan, cluster: Cluster, options: CostOptions | None = None, **co
     return dataclasses.replace(plan, stages=stages, time_s=pipeline + sync, pipeline_s=pipeline,
                                dp_sync_s=sync, stage_times=assignment.stage_times,
                                stage_memory=tuple(costs.stage_memory(plan.starts)))
+
+
+def _interleaved(plan: Plan, objective: float, model: CostModel) -> Plan | None:
+    """``plan`` over virtual stages (`Config.virtual_stages` = 2: each rank runs two stages of half
+    its work, interleaved as torch's ``Interleaved1F1B``): the pipeline's fill and drain, the sum of
+    the stage times, shrink by half, at the price of twice the cuts a micro-batch crosses and twice
+    the per-stage overhead through the pipeline; the steady state is unchanged. Priced on the same
+    boundaries (the runtime cuts ``2 pp`` balanced stages of its own), on identical devices only,
+    with the memory of the plan it derives from."""
+    if plan.pp < 2 or len(plan.layers) < 2 * plan.pp or plan.mixed or plan.checkpointed:
+        return None
+    times = plan.stage_times
+    fill = sum(times)
+    cuts = max(0.0, objective - (plan.microbatches - 1) * max(times) - fill)
+    pipeline = ((plan.microbatches - 1) * max(times) + fill / 2 + 2 * cuts
+                + model.fixed_overhead(2 * plan.pp, plan.microbatches))
+    return dataclasses.replace(plan, time_s=pipeline + plan.dp_sync_s, pipeline_s=pipeline, virtual_stages=2)
 
 
 def _assign(costs: StrategyCosts, strategy: Strategy) -> LayerAssignment | None:

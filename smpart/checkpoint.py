@@ -294,8 +294,9 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     if optimizer is not None and not info.get("optimizer"):
         raise CheckpointError(f"{path} holds no optimizer state (it was saved without an optimizer); "
                               "load it with optimizer=None")
-    if _awaits_placement(model):
-        # Built on meta: the tensors are made at placement (the first step), and loaded then.
+    if _awaits_placement(model) or getattr(model, "_filled_at_placement", None):
+        # Built on meta: the tensors are made at placement (the first step), and loaded then; or
+        # a load_weights waits for it, and this load, later, must win: it waits too.
         layout = _layout(model)
         saved = _SafeReader(path).read_metadata().state_dict_metadata
         _check_model_keys(path, layout, saved, _aliases(ranks))
@@ -573,13 +574,15 @@ def load_weights(model: Any, source: str | os.PathLike | Mapping[str, torch.Tens
     tensors, and a DTensor reads only its shard. ``strict``: raise `CheckpointError` naming every
     missing, unexpected or mis-shaped key (else skip them). Returns the names loaded.
 
-    A materialised model is loaded at once (under ``torchrun`` before its first step, every rank
-    reads the whole model). A `DistributedModel` built on the meta device is checked now and read
-    at its placement, as `load_checkpoint` does (a load into meta tensors went nowhere, silently);
-    until then ``model.state_dict()`` serves the source's values.
+    A model on threads, or placed, is loaded at once. A `DistributedModel` not placed yet under
+    ``torchrun``, or built on the meta device, is checked now and read at its placement, as
+    `load_checkpoint` reads one built on meta: then each rank knows what it holds, and reads only
+    that (a 1 B-parameter model on 4 stages: a quarter of the source per rank, not all of it, and
+    rank 0's values of those tensors are not sent to every rank first). Until then
+    ``model.state_dict()`` serves the source's values; the model's own tensors still hold theirs.
     """
     layout = _layout(model)
-    deferred = _awaits_placement(model)
+    deferred = _awaits_placement(model) or _placed_later(model)
     # Not placed yet, a rank does not know what it will hold: check against the whole model now
     tensors = layout.module.state_dict(keep_vars=True) if deferred else layout.local  # tied: one object
     store = _open_store(source)
@@ -608,16 +611,16 @@ def load_weights(model: Any, source: str | os.PathLike | Mapping[str, torch.Tens
                               "prefix= (source keys = prefix + the model's names) or strict=False")
     bad = {w.split(":")[0] for w in wrong}
     todo = {k: names for k, names in wanted.items() if k not in bad}
-    if deferred:  # built on meta, as load_checkpoint: each rank reads what it holds once placed
+    loaded = sorted(n for names in todo.values() for n in names)
+    if deferred:  # each rank reads what it will hold, once placed; served by state_dict() until then
         model._after_placement.append(lambda: load_weights(model, source, prefix=prefix, strict=strict))
         dtypes = {n: tensors[names[0]].dtype for names in todo.values() for n in names}
         model._loaded_later.append(lambda: _source_values(source, todo, dtypes))
-        return sorted(n for names in todo.values() for n in names)
+        model._filled_at_placement.update(loaded)  # rank 0's values of these need not reach every rank
+        return loaded
     with torch.no_grad():
-        for key, names in todo.items():
-            target = layout.local[names[0]]
-            store.copy_into(key, target)
-    return sorted(n for names in todo.values() for n in names)
+        store.copy_all({key: layout.local[names[0]] for key, names in todo.items()})
+    return loaded
 
 
 def _source_values(source: Any, todo: dict[str, list[str]], dtypes: dict[str, torch.dtype],
@@ -679,6 +682,11 @@ class _Store:
             target.to_local().copy_(_local_part(target, lambda index: self.read(key, index)))
         else:
             target.copy_(self.read(key, None))
+
+    def copy_all(self, targets: Mapping[str, torch.Tensor]) -> None:
+        """Fill each target with its key's values (a DTensor: its own shard only)."""
+        for key, target in targets.items():
+            self.copy_into(key, target)
 
 
 class _DictStore(_Store):
@@ -748,10 +756,32 @@ class _DCPStore(_Store):
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.meta[self.aliases.get(key, key)].size)
 
-    def copy_into(self, key: str, target: torch.Tensor) -> None:
+    def copy_all(self, targets: Mapping[str, torch.Tensor]) -> None:
+        """One read of every target, by this rank alone: the ranks of different stages hold other
+        keys (a collective load per key would pair one rank's key with another's, or wait for a
+        rank that has no more keys), and DCP reads a DTensor's shard by its own offsets. A fused
+        q/k/v shard is three blocks, which DCP does not describe: its tensor is read whole, one
+        at a time, and this rank's slice of each part kept."""
+        fused = {key: t for key, t in targets.items() if _is_fused(t)}
+        self._load({key: t for key, t in targets.items() if key not in fused})
+        for key, target in fused.items():
+            whole = torch.empty(target.shape, dtype=target.dtype)
+            self._load({key: whole})
+            target.to_local().copy_(_local_part(target, lambda index, whole=whole: whole[index]))
+
+    def _load(self, targets: Mapping[str, torch.Tensor]) -> None:
+        stored: dict[str, torch.Tensor] = {}  # by the key DCP stores: an alias reads its original
+        copies = []
+        for key, target in targets.items():
+            original = self.aliases.get(key, key)
+            if original in stored:
+                copies.append((target, stored[original]))
+            else:
+                stored[original] = target
         with _single_process_is_meant():
-            dcp.load({self.aliases.get(key, key): target}, storage_reader=_SafeReader(self.path),
-                     no_dist=not _distributed())
+            dcp.load(stored, storage_reader=_SafeReader(self.path), no_dist=True)
+        for target, source in copies:
+            target.copy_(source)
 
     def describe(self) -> str:
         return f"the DCP checkpoint {self.path}"
@@ -799,8 +829,6 @@ def _local_part(target: torch.Tensor, read: Any) -> torch.Tensor:
     one slice: it is cut from the whole tensor."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from smpart.tensor_parallel.layers import local_shard
-
     strided = [p for p in target.placements if isinstance(p, _StridedShard)]
     if not strided:
         return read(_local_index(target))
@@ -808,7 +836,15 @@ def _local_part(target: torch.Tensor, read: Any) -> torch.Tensor:
         raise CheckpointError("a fused (strided) shard on a mesh of more than one dimension cannot be read "
                               "from this source; load a checkpoint (smpart.load_checkpoint) instead")
     mesh, (placement,) = target.device_mesh, strided
-    return local_shard(read(None), placement.dim, mesh.get_local_rank(), mesh.size(), placement.split_factor)
+    dim, parts, rank, size = placement.dim, placement.split_factor, mesh.get_local_rank(), mesh.size()
+    part = target.shape[dim] // parts
+    piece = part // size
+    pieces = []
+    for j in range(parts):  # this rank's slice of each part (q, k, v): only its bytes are read
+        index = [slice(None)] * len(target.shape)
+        index[dim] = slice(j * part + rank * piece, j * part + (rank + 1) * piece)
+        pieces.append(read(tuple(index)))
+    return torch.cat(pieces, dim)
 
 
 def _local_index(target: torch.Tensor) -> tuple[slice, ...]:
@@ -821,6 +857,15 @@ def _local_index(target: torch.Tensor) -> tuple[slice, ...]:
 
 def _is_dtensor(t: Any) -> bool:
     return hasattr(t, "device_mesh") and hasattr(t, "to_local")
+
+
+def _is_fused(t: Any) -> bool:
+    """A fused q/k/v shard: this rank's slice of each part (a ``_StridedShard``)."""
+    if not _is_dtensor(t):
+        return False
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return any(isinstance(p, _StridedShard) for p in t.placements)
 
 
 # ==================================================================== RNG states

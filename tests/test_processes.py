@@ -320,6 +320,59 @@ def test_one_model_and_optimizer_go_on_training_under_another_init():
         assert loss_diff <= TOL and state_diff <= TOL, (loss_diff, state_diff)
 
 
+def _takes_back_its_own(rank):
+    """Eight layers and Adam trained on 4 stages, then on 2 stages x 2 replicas: which tensors each
+    rank held before, which it holds after, which it took back under the second init, and the
+    trained model against the unsplit one."""
+    import smpart.runtime.replicas as replicas
+
+    taken: list[str] = []
+    real_fill = replicas.fill_released
+
+    def counting_fill(module, values):
+        taken.extend(values)
+        real_fill(module, values)
+
+    replicas.fill_released = counting_fill
+    torch.manual_seed(0)
+    built = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(8)]).double()
+    reference = copy.deepcopy(built)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    model = smpart.DistributedModel(built)
+    opt = smpart.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randint(8, (8,), generator=g)
+    held = []
+    for pp, dp in ((4, 1), (2, 2)):
+        smpart.init(pipeline_parallel_degree=pp, data_parallel_degree=dp, microbatches=2, timeout_s=60)
+        per_replica = 8 // smpart.dp_size()
+        mine = slice(smpart.dp_rank() * per_replica, (smpart.dp_rank() + 1) * per_replica)
+        cross_entropy_step(model, x[mine], y[mine])
+        opt.step()
+        opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        held.append(set(model.local_state_dict()))
+        states = {name: p for name, p in model.named_parameters() if p in opt.state}
+        full = model.state_dict()
+        smpart.shutdown()
+    state_diff = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    return held, taken, set(states), state_diff
+
+
+@pytest.mark.timeout(120)
+def test_under_another_init_each_rank_takes_back_only_what_it_will_hold():
+    """Every rank used to take back the whole model and the whole optimizer state (the peak of a
+    re-init was the whole model on every rank); it takes back only the tensors of its new stage
+    it did not keep, and trains on exactly as the unsplit model."""
+    for (before, after), taken, with_state, state_diff in values(run_ranks(_takes_back_its_own, 4,
+                                                                           timeout_s=110)):
+        assert state_diff <= TOL
+        assert sorted(taken) == sorted(after - before), (before, after, taken)
+        assert with_state == {name for name in after if name.endswith(("weight", "bias"))}
+
+
 def _tensor_parallel_then_pipeline(rank):
     smpart.init(tensor_parallel_degree=2, microbatches=1, timeout_s=30)
     model = smpart.DistributedModel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)))

@@ -204,6 +204,141 @@ def test_tensor_parallel_ranks_draw_the_same_dropout_masks_whatever_each_ranks_s
     assert losses == same_seed_losses  # rank 0's random state rules, whatever rank 1's seed
 
 
+def _dropout_masks(rank, pp):
+    """Two SGD steps of a Hugging Face GPT-2 (its own attention, dropout 0.5 everywhere) split over 2
+    tensor-parallel ranks: the masks of the first step's first attention-probability dropout
+    (inside the split region: this rank's heads), of its residual dropout and its MLP's dropout
+    (on activations every rank holds whole), and the replicated layer norms after the steps."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_head=4, n_layer=2, n_positions=32, vocab_size=64,
+                                     attn_pdrop=0.5, resid_pdrop=0.5, embd_pdrop=0.5,
+                                     reorder_and_upcast_attn=True)  # its attention calls attn_dropout
+    config._attn_implementation = "eager"
+    built = transformers.GPT2LMHeadModel(config)  # float32: that attention computes in it
+    smpart.init(pipeline_parallel_degree=pp, tensor_parallel_degree=2, microbatches=2, timeout_s=60,
+                pin={"lm_head": pp - 1, "transformer.h.1": pp - 1, "transformer.ln_f": pp - 1})
+    masks: dict[str, torch.Tensor] = {}
+
+    def keep(name):
+        def hook(module, args, output):
+            if not output.is_meta:  # the trace's calls are on meta
+                # 1: dropped, 0: kept, -1: zero already (the causal mask's), no verdict
+                masks.setdefault(name, torch.where(args[0] == 0, -1, (output == 0).to(torch.int8)))
+        return hook
+
+    block = built.transformer.h[pp - 1]  # on this rank's stage in both layouts
+    block.attn.attn_dropout.register_forward_hook(keep("heads"))
+    block.attn.resid_dropout.register_forward_hook(keep("attention output"))
+    block.mlp.dropout.register_forward_hook(keep("mlp output"))
+    model = smpart.DistributedModel(built)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ids = torch.randint(64, (4, 12), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        lm_step(model, ids)
+        opt.step()
+        opt.zero_grad()
+    norms = {k: smpart.tensor_parallel.full_tensor(v).tolist()
+             for k, v in model.local_state_dict().items() if ".ln_" in k}
+    at = (smpart.pp_rank(), smpart.tp_rank())
+    smpart.shutdown()
+    return at, {k: v.numpy() for k, v in masks.items()}, norms
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("pp", [1, 2])
+def test_dropout_inside_a_split_region_draws_per_rank_and_outside_it_alike(pp):
+    """Megatron's two streams: the attention probabilities of the heads each rank holds are masked
+    independently, as the unsplit model masks each head (one shared stream would mask rank 1's
+    heads exactly as rank 0's), while the activations every rank holds whole are masked alike,
+    so the replicated layer norms stay equal. With pp 2 the block runs on the second stage."""
+    found = {at: (masks, norms) for at, masks, norms in values(run_ranks(_dropout_masks, 2 * pp, pp,
+                                                                       timeout_s=170))}
+    (first, first_norms), (second, second_norms) = found[(pp - 1, 0)], found[(pp - 1, 1)]
+    def dropped(mask):
+        return (mask == 1).sum() / (mask >= 0).sum()
+
+    heads = first["heads"], second["heads"]
+    assert heads[0].shape == heads[1].shape and heads[0].shape[1] == 2  # 4 heads, 2 on each rank
+    assert 0.35 < dropped(heads[0]) < 0.65 and 0.35 < dropped(heads[1]) < 0.65  # p = 0.5
+    for local in range(2):  # global head `local` on rank 0, `2 + local` on rank 1
+        a, b = heads[0][:, local], heads[1][:, local]
+        agree = (a == b)[a >= 0].mean()
+        assert agree < 0.75, f"head {local} and head {2 + local} drew the same mask ({agree:.0%} alike)"
+    for whole in ("attention output", "mlp output"):
+        assert (first[whole] == second[whole]).all(), f"the {whole} dropout masked the ranks' copies apart"
+        assert 0.35 < dropped(first[whole]) < 0.65
+    assert first_norms == second_norms, "the tensor-parallel ranks' replicated layer norms differ"
+
+
+def _shards_after_the_model_is_gone(rank):
+    """A tensor-parallel run of the zoo GPT, then the script lets go of its model and optimizer:
+    whether the shards tensor parallelism made (and the module) are still alive after a
+    garbage collection, that is, whether smpart kept any of them."""
+    import gc
+    import weakref
+
+    from examples.models import ZOO
+
+    torch.manual_seed(0)
+    smpart.init(tensor_parallel_degree=2, microbatches=2, timeout_s=60)
+    example = ZOO["gpt2"](dtype=torch.float64)
+    model = smpart.DistributedModel(example.model)
+    opt = smpart.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+    train_step(model, example, *example.batch(4))
+    opt.step()
+    shards = [weakref.ref(p) for p in model.parameters() if smpart.tensor_parallel.layers.is_dtensor(p)]
+    module = weakref.ref(model.module)
+    smpart.shutdown()
+    del model, opt, example
+    gc.collect()
+    return len(shards), sum(ref() is not None for ref in shards), module() is not None
+
+
+@pytest.mark.timeout(120)
+def test_a_model_let_go_after_a_tensor_parallel_run_is_freed():
+    for split, alive, module_alive in values(run_ranks(_shards_after_the_model_is_gone, 2, timeout_s=110)):
+        assert split > 0
+        assert (alive, module_alive) == (0, False), f"{alive} of {split} shards outlived their model"
+
+
+def _twins_alive_at_once(rank):
+    """A model built on meta and split over 2 tensor-parallel ranks: each split layer is initialised
+    from an unsplit twin of it (`placement._initialise`); the most twins alive at once."""
+    import weakref
+
+    from smpart.tensor_parallel.layers import _OnMesh
+
+    twins: list[weakref.ref] = []
+    most = [0]
+    real_twin = _OnMesh.plain_twin
+
+    def counting_twin(self, device):
+        twin = real_twin(self, device)
+        twins.append(weakref.ref(twin))
+        most[0] = max(most[0], sum(ref() is not None for ref in twins))
+        return twin
+
+    _OnMesh.plain_twin = counting_twin
+    smpart.init(tensor_parallel_degree=2, microbatches=2, timeout_s=60)
+    with torch.device("meta"):
+        built = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(),
+                                                          torch.nn.Linear(32, 8)) for _ in range(3)])
+    model = smpart.DistributedModel(built)
+    cross_entropy_step(model, torch.randn(4, 8), torch.randint(8, (4,)))
+    smpart.shutdown()
+    return len(twins), most[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_model_built_on_meta_and_split_holds_one_unsplit_layer_at_a_time():
+    """Each split layer's first values come from an unsplit twin: the peak of a rank is what it
+    holds plus one whole layer, not two (the last twin lived on while the next was made)."""
+    for made, most in values(run_ranks(_twins_alive_at_once, 2, timeout_s=110)):
+        assert made == 6 and most == 1, (made, most)
+
+
 def _own_tensor_parallel_layers(rank):
     """A model whose author put ``smpart.nn.DistributedLinear`` layers in it (SMP's manual tensor
     parallelism), beside a plain layer, on 2 stages x 2 tensor-parallel ranks."""
@@ -320,6 +455,121 @@ def test_a_hugging_face_model_built_on_meta_is_split_initialised_and_loaded(tmp_
         assert abs(scratch - math.log(64)) < 0.1, scratch  # small random weights: a uniform guess
         assert 0.015 < spread < 0.025, spread  # GPT-2's initializer_range, 0.02, in the split layers
         assert all(abs(loss - expected) < 1e-5 for loss in loaded), (loaded, expected)
+
+
+def _reads_its_own_keys(rank, pretrained, checkpoint):
+    """A Hugging Face GPT-2 on 2 stages (uneven: 1 block and 3) x 2 tensor-parallel ranks, built for
+    real and differently on every rank, then `load_weights` from the model's own safetensors and
+    from an smpart (DCP) checkpoint before the first step: per source, the bytes this rank read
+    from it, the bytes it received of rank 0's values before placement, the bytes of the tensors
+    it holds, and the loss in eval mode."""
+    import transformers
+
+    import smpart.checkpoint as ckpt
+    import smpart.runtime.replicas as replicas
+
+    read, received = [0], [0]
+    real_read, real_broadcast = ckpt._SafetensorsStore.read, replicas._broadcast
+
+    def counting_read(self, key, index):
+        tensor = real_read(self, key, index)
+        read[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def counting_broadcast(bucket, group, src, timeout_s):
+        flat = real_broadcast(bucket, group, src, timeout_s)
+        received[0] += flat.numel() * flat.element_size()
+        return flat
+
+    ckpt._SafetensorsStore.read, replicas._broadcast = counting_read, counting_broadcast
+    ids = torch.randint(64, (4, 12), generator=torch.Generator().manual_seed(0))
+    smpart.init(pipeline_parallel_degree=2, tensor_parallel_degree=2, microbatches=2, timeout_s=30,
+                pin={"transformer.h.0": 0, "transformer.h.1": 1, "transformer.h.2": 1, "transformer.h.3": 1})
+
+    @smpart.step
+    def loss_of(model, ids):
+        return model(input_ids=ids, labels=ids).loss
+
+    found = []
+    for source in (pretrained, checkpoint):
+        read[0] = received[0] = 0
+        torch.manual_seed(rank + 10)  # every rank builds other values, none the saved ones
+        model = smpart.DistributedModel(transformers.GPT2LMHeadModel(_gpt2_config()).eval())
+        smpart.load_weights(model, source)
+        loss = loss_of(model, ids).reduce_mean().item()
+        held = {id(t): t for t in model.module.state_dict(keep_vars=True).values() if not t.is_meta}
+        local = [t.to_local() if smpart.tensor_parallel.layers.is_dtensor(t) else t for t in held.values()]
+        found.append((read[0], received[0], sum(t.numel() * t.element_size() for t in local), loss))
+    smpart.shutdown()
+    return found
+
+
+@pytest.mark.timeout(150)
+def test_load_weights_under_torchrun_reads_each_ranks_own_keys_only(tmp_path):
+    """Each rank reads the bytes of what it holds (a fused q/k/v shard: its slice of each of q, k
+    and v), receives none of rank 0's values for them first, and a DCP source is read by each rank
+    alone (per key and together, it paired one rank's key with another's and hung on uneven stages)."""
+    import transformers
+
+    torch.manual_seed(0)
+    plain = transformers.GPT2LMHeadModel(_gpt2_config()).eval()
+    plain.save_pretrained(tmp_path / "pretrained")
+    smpart.save_checkpoint(tmp_path / "plain", plain)
+    ids = torch.randint(64, (4, 12), generator=torch.Generator().manual_seed(0))
+    expected = plain(input_ids=ids, labels=ids).loss.item()
+    model_bytes = sum(t.numel() * t.element_size() for t in plain.state_dict().values())
+    for (safetensors, dcp) in values(run_ranks(_reads_its_own_keys, 4, tmp_path / "pretrained",
+                                                tmp_path / "plain", timeout_s=140)):
+        read, received, held, loss = safetensors
+        assert abs(loss - expected) < 1e-5 and abs(dcp[3] - expected) < 1e-5, (loss, dcp[3], expected)
+        assert read <= held < model_bytes / 2, (read, held, model_bytes)  # its own part, tied weight once
+        assert received < model_bytes / 50 and dcp[1] < model_bytes / 50, (received, dcp[1], model_bytes)
+
+
+class CountingLinear(torch.nn.Linear):
+    """Counts its initialisations (``reset_parameters``)."""
+
+    resets = 0
+
+    def reset_parameters(self):
+        CountingLinear.resets += 1
+        super().reset_parameters()
+
+
+def _two_counting_layers() -> torch.nn.Module:
+    return torch.nn.Sequential(CountingLinear(8, 8), torch.nn.Tanh(), CountingLinear(8, 4))
+
+
+def _loaded_at_placement(rank, weights):
+    """A model built on meta on 2 stages, its weights loaded at placement: how many of its layers
+    were initialised first, and the first step's loss."""
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60)
+    with torch.device("meta"):
+        model = smpart.DistributedModel(_two_counting_layers())
+    CountingLinear.resets = 0  # built on meta, each layer already ran it once
+    smpart.load_weights(model, weights)
+    x, y = torch.ones(4, 8), torch.arange(4)
+    loss = cross_entropy_step(model, x, y).reduce_mean().item()
+    smpart.shutdown()
+    return CountingLinear.resets, loss
+
+
+@pytest.mark.timeout(120)
+def test_weights_loaded_at_placement_are_not_initialised_first(tmp_path):
+    """Each rank initialised its layers (a 1 B-parameter model: seconds of random draws per rank),
+    then the load overwrote them: it initialises only what no load will write."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    plain = _two_counting_layers()
+    save_file(plain.state_dict(), str(tmp_path / "model.safetensors"))
+    x, y = torch.ones(4, 8), torch.arange(4)
+    expected = sum(torch.nn.functional.cross_entropy(plain(a), b).item()
+                   for a, b in zip(x.chunk(2), y.chunk(2), strict=True)) / 2
+    for resets, loss in values(run_ranks(_loaded_at_placement, 2, tmp_path / "model.safetensors",
+                                         timeout_s=110)):
+        assert resets == 0
+        assert loss == pytest.approx(expected, abs=1e-6)
 
 
 def _a_whole_script(rank, pretrained, checkpoint):

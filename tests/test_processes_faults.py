@@ -17,7 +17,7 @@ from torch import nn
 
 import smpart
 from examples.models import gpt2
-from tests.launch import run_ranks
+from tests.launch import run_ranks, values
 
 
 class Picky(nn.Linear):
@@ -420,3 +420,93 @@ def test_a_step_that_fails_on_one_replica_fails_on_every_replica_and_training_go
         assert losses == pytest.approx([step[replica] for step in expected_losses], abs=1e-9)
         for name, value in expected_state.items():
             torch.testing.assert_close(torch.from_numpy(state[name]), value, atol=1e-9, rtol=0)
+
+
+class Hangs(torch.autograd.Function):
+    """Its backward hangs for ``seconds`` (a kernel or a collective stuck on one rank), then raises."""
+
+    seconds = 0.0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(Hangs.seconds)
+        raise RuntimeError("the backward hung, then failed")
+
+
+class HangingLinear(nn.Linear):
+    hang = False
+
+    def forward(self, x):
+        y = super().forward(x)
+        return Hangs.apply(y) if self.hang else y
+
+
+class HangingChain(Chain):
+    def __init__(self):
+        super().__init__()
+        self.first = HangingLinear(4, 4, dtype=torch.float64)
+
+
+HANG_TIMEOUT_S = 6.0
+
+
+def _a_replica_hangs(rank, where):
+    """pp 2 x dp 2: a step, then replica 1's first stage hangs for twice timeout_s, then raises: in
+    the backward of the next step (``backward``), or before the optimizer's step that broadcasts
+    the parameters it owns (``optimizer``, sharded optimizer state). Every rank catches what it
+    raised, and when. Then smpart.shutdown(), smpart.init() again and a step on every rank (of
+    the same model; of a new one with sharded state, which a re-init does not carry over)."""
+    torch.manual_seed(0)
+    config = {"pipeline_parallel_degree": 2, "data_parallel_degree": 2, "microbatches": 2, "pin": PINS,
+              "timeout_s": HANG_TIMEOUT_S, "shard_optimizer_state": where == "optimizer"}
+    smpart.init(**config)
+    dm = smpart.DistributedModel(HangingChain())
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.1))
+    x = torch.linspace(-1, 1, 16, dtype=torch.float64).reshape(4, 4)
+    _step(dm, x)  # the replicas learn their counts: the next step starts its all-reduces early
+    opt.step()
+    opt.zero_grad()
+    at = (smpart.dp_rank(), smpart.pp_rank())
+    Hangs.seconds = 2 * HANG_TIMEOUT_S
+    dm.module.first.hang = where == "backward" and at == (1, 0)
+    start = time.monotonic()
+    try:
+        _step(dm, x)
+        if where == "optimizer" and at == (1, 0):
+            time.sleep(Hangs.seconds)
+        start = time.monotonic() if where == "optimizer" else start
+        opt.step()
+        caught = "no error"
+    except Exception as err:  # noqa: BLE001 - what each rank raised is the result
+        caught = f"{type(err).__name__}: {err}"
+    waited = time.monotonic() - start
+    dm.module.first.hang = False
+    opt.zero_grad()
+    smpart.shutdown()
+    smpart.init(**config)
+    if where == "optimizer":
+        dm = smpart.DistributedModel(HangingChain())
+    loss = _step(dm, x).reduce_mean().item()
+    return at, caught, waited, loss
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("where", ["backward", "optimizer"])
+def test_a_replica_that_hangs_fails_every_other_rank_waiting_for_it_within_timeout_naming_it(where):
+    """The other replica's ranks wait on collectives the hung replica never joins (the gradient
+    averaging; the sharded optimizer's broadcast, on its stage only): each raises within
+    timeout_s an SmpartError naming replica 1 (not after torch's 30 minutes, nor blaming a healthy
+    rank), and after a re-init the job trains on."""
+    results = values(run_ranks(_a_replica_hangs, 4, where, timeout_s=140))
+    for (replica, stage), caught, waited, _ in results:
+        if replica == 1 or (where == "optimizer" and stage == 1):
+            continue  # the hung replica's own errors; in the optimizer, stage 1's broadcast pairs
+        assert caught.startswith(("SmpartError", "PipelineError")), caught
+        assert "replica 1" in caught, caught
+        assert waited < HANG_TIMEOUT_S + 3, f"rank of replica 0, stage {stage}: {waited:.1f} s: {caught}"
+    losses = {loss for *_, loss in results}  # the replicas step on the same batch
+    assert len(losses) == 1 and losses.pop() > 0

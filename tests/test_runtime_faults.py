@@ -11,6 +11,7 @@ from torch import nn
 
 import smpart
 from smpart.errors import ConfigError, PipelineError, SmpartError
+from smpart.runtime.transport import ThreadTransport
 
 
 @pytest.fixture(autouse=True)
@@ -231,3 +232,72 @@ def test_a_pipeline_error_sent_on_twice_carries_its_original_traceback_once():
     assert (twice.stage, twice.rank) == (1, 2)
     assert str(twice).startswith("forward failed on stage 1\n\nOriginal traceback (on rank 2):")
     assert str(twice).count("Original traceback") == 1 and "ValueError: a bad sample" in str(twice)
+
+
+class _CountingTransport(ThreadTransport):
+    """Threads' transport, counting its checks for lost peers (every wait of a stage makes them)."""
+
+    checks = 0
+
+    def check(self) -> None:
+        self.checks += 1
+
+
+def _waiting_follower():
+    """A tensor-parallel follower's stage in a step whose micro-batch 0 has a segment running, and
+    a thread in which that segment waits for the gradient message its leader's consumed."""
+    from smpart.runtime.messages import BeginStep
+    from smpart.runtime.schedule import BACKWARD, Action
+    from smpart.runtime.scheduler import SEGMENT, Claim
+    from smpart.runtime.stage import StageServer, StageStep
+
+    transport = _CountingTransport()
+    server = StageServer(0, 1, 0, torch.device("cpu"), transport, lambda stage: 0, rank=1, tp_follower=True)
+    begin = BeginStep(step=0, microbatches=1, schedule="simple", active_microbatches=None, timeout_s=30,
+                      coordinator=(0, "main"))
+    server.run = run = StageStep(begin, 0, 1, follower=True)
+    run.segment_queued.add(0)  # the waiting segment: a message that comes joins its backlog
+    claim = Claim(Action(BACKWARD, 0), SEGMENT)
+    claim.payload = ((1, 0),)  # the leader's segment consumed stage 1's first message
+    outcome: list = []
+
+    def segment():
+        try:
+            outcome.append([m.origin for m in server._take_backlog(run, 0, claim)])
+        except BaseException as err:  # noqa: BLE001 - what the wait ended with (Cancelled is no Exception)
+            outcome.append(err)
+
+    thread = threading.Thread(target=segment)
+    thread.start()
+    return server, run, transport, thread, outcome
+
+
+@pytest.mark.timeout(30)
+def test_a_tensor_parallel_follower_sleeps_until_its_leaders_gradients_come():
+    """It waited in a 1 ms polling loop (a thousand wake-ups a second per waiting segment, each
+    checking the transport); it sleeps on a condition now, woken by the message, and checks for
+    lost peers every 50 ms."""
+    from fractions import Fraction
+
+    from smpart.runtime.messages import Gradients
+
+    server, run, transport, thread, outcome = _waiting_follower()
+    time.sleep(0.5)
+    checks_while_waiting = transport.checks
+    server._on_gradients(Gradients(0, 0, [], Fraction(1), origin=(1, 0)))
+    thread.join(5)
+    server.stop(5)
+    assert outcome == [[(1, 0)]]
+    assert 1 <= checks_while_waiting <= 25, checks_while_waiting  # ~10 at 50 ms; ~500 at 1 ms
+
+
+@pytest.mark.timeout(30)
+def test_an_aborted_step_wakes_a_follower_waiting_for_its_leaders_gradients():
+    from smpart.runtime.scheduler import Cancelled
+
+    server, run, _, thread, outcome = _waiting_follower()
+    time.sleep(0.2)
+    server._abort(run)
+    thread.join(5)
+    server.stop(5)
+    assert not thread.is_alive() and len(outcome) == 1 and isinstance(outcome[0], Cancelled)

@@ -341,6 +341,19 @@ def test_fallback_runs_on_the_models_own_weights_without_changing_them():
     assert tree.node("norm").saved_bytes == 3 * 4 * 4 + 2 * 4 * 4  # its input, batch mean and invstd
 
 
+@pytest.mark.parametrize("device", ["meta", None])
+def test_a_traced_model_is_freed_once_let_go(device):
+    """An op that saves its own output (tanh) kept, through the saved-bytes hook, a graph that
+    held the hook, the recorder and the model: a cycle through autograd's C++ that no garbage
+    collection breaks. Every model a runtime placed stayed alive after its script let it go."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    alive = weakref.ref(model)
+    trace(model, torch.randn(3, 4), device=device)
+    del model
+    gc.collect()
+    assert alive() is None
+
+
 def _weakrefs_to_outputs_with_a_graph(model: nn.Module) -> list[weakref.ref]:
     """Weak references to every tensor a module of ``model`` returns with a ``grad_fn``, from now on."""
     made: list[weakref.ref] = []

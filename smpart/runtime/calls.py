@@ -28,6 +28,7 @@ from torch import nn
 
 from smpart.errors import PipelineError, SmpartError
 from smpart.runtime.program import templates
+from smpart.tensor_parallel import streams
 
 
 class Endpoint(Protocol):
@@ -118,6 +119,7 @@ class StagedForward:
         if frame.glue:
             return frame.endpoint.glue_call(self, args, kwargs)
         if frame.stage != self.stage:
+            streams.leave()  # a split region ends where the call leaves its stage (`streams`)
             return frame.endpoint.call(frame, self.stage, self.model, self.name, args, kwargs)
         if frame.outgoing is not None:  # promised requests wait no longer once work starts here
             frame.endpoint.flush(frame)

@@ -43,11 +43,21 @@ replicas that differ pair nothing more than it.
 **Replicas with batch shares** (`smpart.runtime.shares`) weigh their gradients by samples: each
 replica multiplies what it all-reduces (the buckets and the late correction) by ``weight`` =
 ``dp · its samples / all samples``, so the mean is that of one process on the global batch.
+
+**A replica that never comes.** One whose rank hangs (in its backward, say) or dies without
+closing its connections never joins these collectives. Every wait here is bounded by
+``timeout_s`` (`smpart.distributed.attendance`): before its flush and its finish a rank marks
+where it is, and a wait that expires raises an `SmpartError` naming the ranks of the group that
+never came and where they were last seen. The first such failure is kept: the group is unusable
+from then on, and the flush (on a thread of its own, `flush_soon`: the stage server calls it from
+a message handler, which must not block) and the finish (on the main thread) raise the same error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -56,11 +66,19 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _unflatten_dense_tensors
 
+from smpart.distributed.attendance import Attendance
 from smpart.errors import SmpartError
 
 #: Bytes per bucket: small enough that several start during a backward, large enough that each
 #: all-reduce is not dominated by its latency.
 BUCKET_BYTES = 4 * 2**20
+
+#: Where a step is, for `Attendance` (the same ordinal on every replica at the same collective).
+CHECK, FLUSH, FINISH, OPTIMIZER = range(4)
+
+
+def ordinal(step: int, phase: int) -> int:
+    return step * 4 + phase
 
 
 class _Bucket:
@@ -82,10 +100,17 @@ class GradientReducer:
     """Averages one stage's gradients over its dp group, step after step (see the module docstring)."""
 
     def __init__(self, params: list[nn.Parameter], group: Any, control_group: Any, size: int,
-                 bucket_bytes: int | None = None, replica: int = 0, weight: float = 1.0) -> None:
+                 bucket_bytes: int | None = None, replica: int = 0, weight: float = 1.0, step: int = 0,
+                 attendance: Attendance | None = None, timeout_s: float = 1800.0) -> None:
         self.group, self.control_group, self.size = group, control_group, size
         #: This replica's gradients enter the mean multiplied by it (its share of the samples × dp).
         self.weight = weight
+        self.attendance = attendance or Attendance(dist.get_rank(), store=False)  # names nobody
+        self.timeout_s = timeout_s
+        self._ranks = dist.get_process_group_ranks(control_group)
+        self._step = step  # the step under way (numbered from 0), in the waits' marks
+        #: The first wait that failed (a replica that never came): the groups are unusable after it.
+        self.failure: SmpartError | None = None
         self.params = params
         by_size = buckets(list(reversed(params)), bucket_bytes or BUCKET_BYTES)
         self.buckets = [_Bucket(i, b) for i, b in enumerate(by_size)]
@@ -102,6 +127,7 @@ class GradientReducer:
         self._lock = threading.Lock()
         self._armed = False
         self._flushed = False
+        self._flushing: threading.Thread | None = None  # `flush_soon`'s thread, joined by `finish`
         self._mismatch: SmpartError | None = None  # see `_same_parameters_everywhere`
         self._unpairable = False
         self._replica = replica  # this rank's data-parallel index, named when its step fails
@@ -109,9 +135,10 @@ class GradientReducer:
                                                      p.register_post_accumulate_grad_hook(self._accumulated))]
 
     # ---------------------------------------------------------------- per step
-    def begin_step(self) -> None:
-        """Arm the hooks for a new step (counts restart; buckets are free)."""
+    def begin_step(self, step: int = 0) -> None:
+        """Arm the hooks for step ``step`` (counts restart; buckets are free)."""
         with self._lock:
+            self._step = step
             self._count = {}
             self._late = {}
             self._next = 0
@@ -123,6 +150,17 @@ class GradientReducer:
             self._flushed = False
             self._mismatch, self._unpairable = None, False
 
+    def flush_soon(self) -> None:
+        """`flush` on a thread of its own: the stage server calls this from a message handler,
+        which must not block (a replica that never comes would hold it for ``timeout_s``, and
+        the peers' messages to it with it). `finish` joins it; an error is kept in `failure`."""
+        def flush() -> None:
+            with contextlib.suppress(SmpartError):
+                self.flush()
+
+        self._flushing = threading.Thread(target=flush, name="smpart-gradient-flush", daemon=True)
+        self._flushing.start()
+
     def flush(self, failed: bool = False) -> None:
         """The stage's gradients are final (or, ``failed``, this rank's step failed before they
         were): start everything not started yet (collective). Once per step."""
@@ -132,6 +170,7 @@ class GradientReducer:
             self._flushed = True
             self._armed = False
             self.started_early = self._next
+            self._arrive(FLUSH)
             if not self._same_parameters_everywhere():
                 return  # a replica failed before it placed the model (`finish` tells)
             started = [int(b.started) for b in self.buckets]
@@ -139,7 +178,7 @@ class GradientReducer:
             late = [int(id(p) in self._late) for p in self.params]
             nb, np_ = len(self.buckets), len(self.params)
             flags = torch.tensor([int(failed)] + started + has_grad + late, dtype=torch.uint8)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group)
+            self._control_max(flags, FLUSH)
             failed_anywhere, *flags = flags.tolist()
             if self._count and not failed:  # a step with a backward teaches the next one its counts
                 self._expected = dict(self._count)
@@ -170,7 +209,7 @@ class GradientReducer:
         failed (an error if none did, or if some all-reduce was started and cannot be paired)."""
         sizes = (len(self.params), len(self.buckets))
         shape = torch.tensor([int(self._next > 0), *sizes, *(-n for n in sizes)], dtype=torch.int64)
-        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.control_group)
+        self._control_max(shape, FLUSH)
         started_anywhere, most_params, most_buckets, fewest_params, fewest_buckets = shape.tolist()
         if (most_params, most_buckets) == (-fewest_params, -fewest_buckets):
             return True
@@ -188,24 +227,29 @@ class GradientReducer:
         """Wait for every all-reduce and write the averages into the gradients (collective). With
         ``failed`` (this rank's step failed), or when another replica's did, write nothing and
         return the index of a replica whose step failed; None when every replica's step ran."""
-        self.flush(failed)  # a step that failed before its gradients were final here
+        if self._flushing is not None:
+            self._flushing.join()  # its waits are bounded by timeout_s
+            self._flushing = None
+        with contextlib.suppress(SmpartError):  # kept in `failure`, raised below
+            self.flush(failed)  # a step that failed before its gradients were final here
         with self._lock:
-            if not self._unpairable:  # else an all-reduce started early has no partner
-                for bucket in self.buckets:
-                    if bucket.work is not None:
-                        bucket.work.wait()
-                if self._correction is not None:
-                    self._correction[2].wait()
-            # the step may have failed after the flush (in the step body, after its backward)
-            who = torch.tensor([self._replica + 1 if failed else 0], dtype=torch.int64)
-            dist.all_reduce(who, op=dist.ReduceOp.MAX, group=self.control_group)
+            if self.failure is not None:
+                self._drop_buckets()
+                raise self.failure
+            try:
+                self._wait_for_buckets()
+                # the step may have failed after the flush (in the step body, after its backward)
+                who = torch.tensor([self._replica + 1 if failed else 0], dtype=torch.int64)
+                self._arrive(FINISH)
+                self._control_max(who, FINISH)
+            except SmpartError:
+                self._drop_buckets()
+                raise
             failing = int(who.item()) - 1  # a rank whose flush said so says so here too
             if self._mismatch is not None and (failing < 0 or self._unpairable):
                 raise self._mismatch
             if failing >= 0:
-                for bucket in self.buckets:
-                    bucket.flat, bucket.work = None, None
-                self._correction = None
+                self._drop_buckets()
                 return failing
             for bucket in self.buckets:
                 if bucket.work is None:
@@ -225,8 +269,50 @@ class GradientReducer:
         return None
 
     def remove(self) -> None:
+        if self._flushing is not None:  # a step that never finished (interrupted)
+            self._flushing.join(self.timeout_s)
         for handle in self._handles:
             handle.remove()
+
+    # ---------------------------------------------------------------- bounded waits
+    def _arrive(self, phase: int) -> None:
+        self.attendance.arrive(ordinal(self._step, phase), self._where(phase))
+
+    def _where(self, phase: int) -> str:
+        what = "the end of the gradient averaging" if phase == FINISH else "the gradient averaging"
+        return f"{what} of step {self._step + 1}"
+
+    def _control_max(self, flags: torch.Tensor, phase: int) -> None:
+        """All-reduce ``flags`` (MAX) over the control group, at most ``timeout_s``."""
+        if self.failure is not None:
+            raise self.failure
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group, async_op=True)
+        self._wait(work, phase)
+
+    def _wait(self, work: Any, phase: int, timeout_s: float | None = None) -> None:
+        try:
+            self.attendance.wait(work, self.timeout_s if timeout_s is None else timeout_s,
+                                 ordinal(self._step, phase), self._where(phase), self._ranks)
+        except SmpartError as err:
+            self.failure = err
+            raise
+
+    def _wait_for_buckets(self) -> None:
+        """Wait for every all-reduce started (not those of a replica that cannot pair), together
+        at most ``timeout_s``."""
+        if self._unpairable:  # an all-reduce started early has no partner
+            return
+        works = [b.work for b in self.buckets if b.work is not None]
+        if self._correction is not None:
+            works.append(self._correction[2])
+        deadline = time.monotonic() + self.timeout_s
+        for work in works:
+            self._wait(work, FLUSH, max(0.001, deadline - time.monotonic()))
+
+    def _drop_buckets(self) -> None:
+        for bucket in self.buckets:
+            bucket.flat, bucket.work = None, None
+        self._correction = None
 
     # ---------------------------------------------------------------- hooks (autograd threads)
     def _make_pre_hook(self, param: nn.Parameter):

@@ -56,6 +56,8 @@ class DistributedModel:
         #: What those loads will write into tensors built on meta, readable before then: each
         #: returns ``{state dict name: value on the CPU}`` (`state_dict` serves them, later loads win).
         self._loaded_later: list[Callable[[], dict[str, torch.Tensor]]] = []
+        #: State-dict names that such work fills (`load_weights`): no rank needs rank 0's values.
+        self._filled_at_placement: set[str] = set()
         #: Whether every rank's copy took the first rank's values (`replicas`), or needs not: placed.
         self._agreed = False
         #: Rank 0's seed, for modules initialised at placement from the meta device (`replicas`).
@@ -95,6 +97,7 @@ class DistributedModel:
     def _placed(self) -> None:
         pending, self._after_placement = self._after_placement, []
         self._loaded_later = []
+        self._filled_at_placement = set()
         for work in pending:
             work()
 
@@ -139,12 +142,13 @@ class DistributedModel:
         function, its own ``state_dict()`` or ``smpart.shutdown()``, where its parameters hold
         still. With tensor parallelism it is collective: every rank must call it.
 
-        Before the first step of a model built on the meta device: the values the loads waiting for
-        its placement will write (`smpart.load_checkpoint`, ``load_weights``, `load_state_dict`); a
-        tensor no load covers has no value yet, and asking for it raises `SmpartError`."""
+        Before the first step of a model built on the meta device, or of one under ``torchrun``
+        that ``load_weights`` waits for: the values the loads waiting for its placement will write
+        (`smpart.load_checkpoint`, ``load_weights``, `load_state_dict`); a tensor on meta no load
+        covers has no value yet, and asking for it raises `SmpartError`."""
         runtime = self._runtime
-        if runtime is None and not self._released and holds_meta(self.module):  # built on meta, not placed
-            return self._state_before_placement()
+        if runtime is None and not self._released and (holds_meta(self.module) or self._loaded_later):
+            return self._state_before_placement()  # built on meta, or a load waits: not placed
         if getattr(runtime, "state_group", None) is None:  # threads, or not placed: every entry is here
             return self._own_state()
         if runtime.layout.tp == 1:
@@ -161,8 +165,9 @@ class DistributedModel:
         return {k: merged[k] for k in order if k in merged}
 
     def _state_before_placement(self) -> dict[str, torch.Tensor]:
-        """The state dict of a model built on meta and not placed yet: the values loads waiting for
-        its placement will write (a checkpoint's, read now), or an error for tensors that have none."""
+        """The state dict of a model not placed yet that was built on meta or has loads waiting for
+        its placement: the values those loads will write (a checkpoint's, read now), else its own,
+        or an error for tensors on meta that have none."""
         served: dict[str, torch.Tensor] = {}
         for values in self._loaded_later:
             served.update(values())
@@ -189,8 +194,9 @@ class DistributedModel:
             if missing or unexpected:
                 raise SmpartError(f"load_state_dict: missing keys {missing[:10]}, unexpected keys "
                                   f"{unexpected[:10]}; is it a state dict of this model?")
-        if self._runtime is None and holds_meta(self.module):
-            # Built on meta: each stage's tensors are made at placement, and take their entries then.
+        if self._runtime is None and (holds_meta(self.module) or self._filled_at_placement):
+            # Built on meta: each stage's tensors are made at placement, and take their entries then
+            # (so does a load after a load_weights waiting for the placement: the later one wins).
             self._after_placement.append(lambda: self.load_state_dict(state_dict, strict=False))
             self._loaded_later.append(lambda: {k: v.detach().cpu() for k, v in state_dict.items()
                                                if k in every})

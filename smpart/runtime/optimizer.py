@@ -70,7 +70,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sharded = self._sharded_state()
         result = self.optimizer.step(closure)
         if sharded is not None:
-            sharded.broadcast()
+            from smpart.runtime.runtime import running_runtime
+
+            steps = getattr(running_runtime(), "steps_taken", 1)
+            sharded.broadcast(max(0, steps - 1))  # after the last step
         return result
 
     def _sharded_state(self) -> Any:
@@ -81,7 +84,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             runtime = running_runtime()
             setup = getattr(runtime, "setup", None)
             if setup is not None and runtime.config.shard_optimizer_state and setup.layout.dp > 1:
-                self._sharded = ShardedState(self.optimizer, setup.dp_group, setup.layout.dp)
+                self._sharded = ShardedState(self.optimizer, setup.dp_group, setup.layout.dp,
+                                             runtime.attendance, runtime.config.timeout_s)
         return self._sharded
 
     def _all_parameters(self) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ import contextlib
 import sys
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -197,10 +197,11 @@ def place(model: nn.Module, model_id: int, partition: Partition, servers: list[S
 
 
 def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server: StageServer,
-                  loading: bool = False, seed: int | None = None) -> int:
+                  loading: bool = False, seed: int | None = None, loaded: Collection[str] = ()) -> int:
     """Processes: route every module's calls to its stage; keep this rank's modules (materialised on
     its device and initialised if they were built on the meta device, from a generator seeded with
-    ``seed`` if given; ``loading``: weights will be loaded into them) and release every other
+    ``seed`` if given; ``loading``: weights will be loaded into them; ``loaded``: the names of the
+    tensors a load will write, whose modules are not initialised first) and release every other
     stage's tensors to the meta device, so a rank holds only its own stage. Returns the parameter
     bytes kept here."""
     stages = module_stages(model, partition)
@@ -216,6 +217,7 @@ def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server:
             if materialised:
                 fresh.append((name, module))
             server.modules[(model_id, name)] = module
+    fresh = [(name, module) for name, module in fresh if not _all_loaded(name, module, loaded)]
     with _seeded(seed, server.device):
         _initialise(model, fresh, loading)
     for name, module in model.named_modules():
@@ -230,7 +232,9 @@ def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server:
 #: DTensor cannot take a plain parameter's place in the same object), as is a parameter autograd
 #: still referenced, which could not be changed in place. Every optimizer adopts the new ones
 #: before it steps (`adopt_replacements`): the optimizer a script made from ``model.parameters()``
-#: before the first step would otherwise go on updating the old ones, which nothing uses.
+#: before the first step would otherwise go on updating the old ones, which nothing uses. An entry
+#: lives as long as its old parameter: once nothing holds that (every optimizer adopted the new
+#: one), nothing can need the new one from here, and a model let go is freed whole.
 REPLACED: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
 _adopting: Any = None  # the handle of torch's global optimizer hook, once a parameter was replaced
 
@@ -244,7 +248,13 @@ def remember_replacement(old: nn.Parameter, new: nn.Parameter) -> None:
     """Record that ``new`` took ``old``'s place; from now on every optimizer adopts it as it steps
     (`torch.optim.optimizer.register_optimizer_step_pre_hook`: plain torch optimizers too)."""
     global _adopting
-    REPLACED[id(old)] = (weakref.ref(old), new)
+    key = id(old)
+
+    def forget(ref: weakref.ref) -> None:
+        if REPLACED.get(key, (None,))[0] is ref:  # not an entry for a later object of that id
+            del REPLACED[key]
+
+    REPLACED[key] = (weakref.ref(old, forget), new)
     if _adopting is None:
         _adopting = register_optimizer_step_pre_hook(_adopt_before_step)
 
@@ -272,7 +282,8 @@ def _swap_in(module: nn.Module, name: str, param: nn.Parameter, new: nn.Paramete
     try:
         torch.utils.swap_tensors(param, new)
     except RuntimeError:
-        for owner in _owners.get(id(param), [module]):
+        owners = [owner for ref in _owners.get(id(param), ()) if (owner := ref()) is not None]
+        for owner in owners or [module]:
             for key, value in owner._parameters.items():
                 if value is param:
                     owner._parameters[key] = new
@@ -281,7 +292,8 @@ def _swap_in(module: nn.Module, name: str, param: nn.Parameter, new: nn.Paramete
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)  # free its storage
 
 
-_owners: dict[int, list[nn.Module]] = {}
+#: The modules of the model being placed, weakly held: a placement's index keeps no model alive.
+_owners: dict[int, list[weakref.ref[nn.Module]]] = {}
 
 
 def _index_owners(model: nn.Module) -> None:
@@ -290,7 +302,7 @@ def _index_owners(model: nn.Module) -> None:
     for owner in model.modules():
         for param in owner._parameters.values():
             if param is not None:
-                _owners.setdefault(id(param), []).append(owner)
+                _owners.setdefault(id(param), []).append(weakref.ref(owner))
 
 
 def _materialise_own_tensors(module: nn.Module, device: torch.device, seen: set[int]) -> tuple[int, bool]:
@@ -351,6 +363,14 @@ def _device_of(module: nn.Module) -> torch.device:
 
 
 
+def _all_loaded(name: str, module: nn.Module, loaded: Collection[str]) -> bool:
+    """Whether a load will write every one of the module's own tensors (its values would go unused:
+    a 1 B-parameter model loaded at placement is not initialised first)."""
+    prefix = f"{name}." if name else ""
+    own = [key for key, t in (*module._parameters.items(), *module._buffers.items()) if t is not None]
+    return bool(own) and all(prefix + key in loaded for key in own)
+
+
 def _initialise(model: nn.Module, fresh: list[tuple[str, nn.Module]], loading: bool) -> None:
     """Give the modules materialised from the meta device their first values, children before their
     parents (as ``nn.Module.apply``): each module's ``reset_parameters()``, then, in a Hugging Face
@@ -370,6 +390,7 @@ def _initialise(model: nn.Module, fresh: list[tuple[str, nn.Module]], loading: b
                 hugging_face_init(target)
             if twin is not None:
                 module.take_values(twin)
+            twin = target = reset = None  # gone before the next twin is made: one whole layer at a time
     blank = [name or type(model).__name__ for name, module in fresh if _unset_left(module)]
     if blank and not loading:
         warnings.warn(f"smpart: {len(blank)} module(s) built on the meta device have no reset_parameters() "

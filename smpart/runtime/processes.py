@@ -36,11 +36,12 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from smpart.config import Config
+from smpart.distributed.attendance import Attendance
 from smpart.distributed.launch import Setup, release_groups, setup
 from smpart.distributed.transport import ProcessTransport
 from smpart.errors import PeerLost, PipelineError, SmpartError
 from smpart.runtime import torch_clip
-from smpart.runtime.data_parallel import GradientReducer, stage_parameters
+from smpart.runtime.data_parallel import CHECK, GradientReducer, ordinal, stage_parameters
 from smpart.runtime.messages import (
     MAIN,
     STAGE,
@@ -56,6 +57,7 @@ from smpart.runtime.program import steps as program_steps
 from smpart.runtime.program import templates
 from smpart.runtime.program.messages import PROGRAM, BeginProgram
 from smpart.runtime.replicas import (
+    all_gather_objects,
     check_same_model,
     initialisation_seed,
     make_replicas_agree,
@@ -216,6 +218,8 @@ class ProcessRuntime:
         #: Whether this step's gradients were averaged already (a program step's `finish_gradients`).
         self._reduced = False
         self._reducer_lock = threading.Lock()
+        #: Where this rank is in a step's collectives, for the others' errors (`attendance`).
+        self.attendance = Attendance(self.rank, self._describe_rank)
         if layout.dp > 1:
             self.server.on_gradients_final = self._start_gradient_sync
         if not self.is_driver:
@@ -332,8 +336,11 @@ class ProcessRuntime:
                                       "number of times")
                 self._end_step(message.error)
                 return message.results, message.timeline
+        if self._reducer is not None and self._reducer.failure is not None:
+            raise self._reducer.failure  # what this stage waited for: a replica that never came
         raise PipelineError(f"rank {self.rank} heard nothing for {timeout_s} s while waiting for step {step} "
-                            "to end (a hang on another rank?)", rank=self.rank)
+                            f"to end: its pipeline's first stage, rank {self.driver_place}, did not say it "
+                            "ended (a hang there, or on a rank it waits for)", rank=self.rank)
 
     # ================================================================ the state dict
     def gather_state(self, kind: str, target: int, own: dict[Any, Any]) -> list[dict[Any, Any]]:
@@ -378,11 +385,18 @@ class ProcessRuntime:
     # ================================================================ data parallelism
     def _begin_gradient_sync(self) -> None:
         if self._reducer is not None:
-            self._reducer.begin_step()
+            self._reducer.begin_step(self.steps_taken)
 
     def _start_gradient_sync(self, step: int) -> None:
-        """The stage's gradients are final (every micro-batch released here): start what is left."""
-        self._current_reducer().flush()
+        """The stage's gradients are final (every micro-batch released here): start what is left,
+        on a thread of its own (this is a message handler). A replica that never comes fails it
+        within timeout_s; the reducer keeps the error for `_end_step`, which raises it."""
+        self._current_reducer().flush_soon()
+
+    def _describe_rank(self, rank: int) -> str:
+        stage, replica, shard = self.layout.coordinates(rank)
+        where = f"stage {stage}, data-parallel replica {replica}"
+        return f"rank {rank} ({where}{f', tensor-parallel rank {shard}' if self.layout.tp > 1 else ''})"
 
     def _current_reducer(self) -> GradientReducer:
         """The reducer of the parameters this rank holds now (a new one once another model is placed)."""
@@ -393,7 +407,9 @@ class ProcessRuntime:
                     self._reducer.remove()
                 weight = replica_weight(self.config.data_parallel_shares, self.dp_rank)
                 self._reducer = GradientReducer(params, self.setup.dp_group, self.setup.dp_control_group,
-                                                self.layout.dp, replica=self.dp_rank, weight=weight)
+                                                self.layout.dp, replica=self.dp_rank, weight=weight,
+                                                step=self.steps_taken, attendance=self.attendance,
+                                                timeout_s=self.config.timeout_s)
             return self._reducer
 
     def finish_gradients(self, failed: bool) -> int | None:
@@ -403,9 +419,15 @@ class ProcessRuntime:
         return self._current_reducer().finish(failed=failed)
 
     def most_on_replicas(self, code: int) -> int:
-        """The largest ``code`` of the data-parallel replicas (one small all-reduce)."""
+        """The largest ``code`` of the data-parallel replicas (one small all-reduce, at most
+        ``timeout_s``: a replica that never comes is named, as of where it was last seen)."""
         value = torch.tensor([code], dtype=torch.int64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.setup.dp_control_group)
+        group = self.setup.dp_control_group
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        mark, _ = self.attendance.last
+        self.attendance.wait(work, self.config.timeout_s, mark,
+                             f"the replicas' agreement on how step {self.steps_taken + 1} runs",
+                             dist.get_process_group_ranks(group))
         return int(value.item())
 
     def begin_again(self) -> None:
@@ -445,19 +467,26 @@ class ProcessRuntime:
         batch shares, batches in the shares' proportions, alike but for the batch axis."""
         if self.layout.dp == 1:
             return
+        group, phase = self.setup.dp_control_group, ordinal(self.steps_taken, CHECK)
+        where = f"the check of the replicas' batches at the start of step {self.steps_taken + 1}"
+        self.attendance.arrive(phase, where)
+        ranks = dist.get_process_group_ranks(group)
+
+        def wait(work: Any) -> None:
+            self.attendance.wait(work, self.config.timeout_s, phase, where, ranks)
+
         shares = self.config.data_parallel_shares
         if shares:
-            check_batch_shares(samples, shares, self.dp_rank, self.setup.dp_control_group)
+            check_batch_shares(samples, shares, self.dp_rank, group, wait)
         shapes = [tuple(t.shape)[1:] if shares else tuple(t.shape) for piece in pieces
                   for t in pytree.tree_leaves(piece) if isinstance(t, torch.Tensor)]
         # every step: one small all-reduce of a digest (its max and its negated min), on CPU
         digest = int.from_bytes(hashlib.sha256(repr(shapes).encode()).digest()[:7], "little")
         extremes = torch.tensor([digest, -digest], dtype=torch.int64)
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.setup.dp_control_group)
+        wait(dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group, async_op=True))
         if extremes[0].item() == -extremes[1].item():
             return
-        every: list[Any] = [None] * self.layout.dp
-        dist.all_gather_object(every, shapes, group=self.setup.dp_control_group)
+        every = all_gather_objects(shapes, group, self.config.timeout_s, "the shapes of the batches")
         if any(other != shapes for other in every):
             sizes = {d: [s[0] if s else None for s in shape][:3] for d, shape in enumerate(every)}
             raise SmpartError(f"the data-parallel replicas were fed batches of different shapes (first "
@@ -466,23 +495,21 @@ class ProcessRuntime:
 
     # ================================================================ placement
     def _start_alike(self, pieces: list[tuple[tuple, dict]]) -> None:
-        """The step's model, at its first step under this ``init``: whole again on every rank if an
-        earlier init's placement left each rank a part; the same on every rank, with rank 0's
-        values, if it is new (`replicas`). Every step: the replicas take the first one's buffers
+        """The step's model, at its first step under this ``init``: the same on every rank, with
+        rank 0's values, if it is new (`replicas`); if an earlier init's placement left each rank
+        a part, each takes back what it will hold when it places it (`_take_back`; all of it now
+        if the trace runs on the real values). Every step: the replicas take the first one's buffers
         (``broadcast_buffers``), and a stage's tensor-parallel ranks the first one's random state.
         (The model is the step's argument, the same on every rank; the models alive are not, as
         one rank may not have collected garbage another has.)"""
         from smpart.runtime.model import DistributedModel
-        from smpart.runtime.optimizer import optimizers_over
 
         group, timeout_s = self.setup.collective_group, self.config.timeout_s
         args, kwargs = pieces[0]  # the step function checked: exactly one DistributedModel among them
         model = next(v for v in (*args, *kwargs.values()) if isinstance(v, DistributedModel))
         if model._runtime is not self:
-            if model._released:
-                gc.collect()  # an optimizer left for garbage on one rank only would pair nothing
-                make_whole(model, optimizers_over(model.module.parameters()), group, timeout_s)
-                model._released = False
+            if model._released and self.config.trace_device == "real":  # the trace runs on its values
+                self._take_back(model, None)
             if not model._agreed:
                 check_same_model(model, group, timeout_s)
                 make_replicas_agree(model, group, timeout_s)
@@ -554,14 +581,34 @@ class ProcessRuntime:
         if error is not None:
             raise error
 
+    def _take_back(self, model: DistributedModel, partition: Any) -> None:
+        """A model an earlier ``init`` placed (each rank released the others' stages): every rank
+        takes back what it will hold under ``partition`` (None: everything), from the ranks that
+        kept it, and its optimizers' state with it (`replicas.make_whole`)."""
+        from smpart.runtime.optimizer import optimizers_over
+        from smpart.runtime.placement import module_stages
+
+        keep = None
+        if partition is not None:
+            stages = module_stages(model.module, partition)
+            keep = lambda names: any(stages.get(name.rpartition(".")[0], 0) == self.stage  # noqa: E731
+                                     for name in names)
+        gc.collect()  # an optimizer left for garbage on one rank only would pair nothing
+        make_whole(model, optimizers_over(model.module.parameters()), self.setup.collective_group,
+                   self.config.timeout_s, keep)
+        model._released = False
+
     def _place(self, model: DistributedModel, partition: Any) -> None:
+        if model._released:  # every rank places it now: each takes back only its new stage's tensors
+            self._take_back(model, partition)
         if self.layout.tp > 1:
             self._split_for_tensor_parallelism(model, partition.tree)
             partition = _as_split(partition, model.tensor_parallel_plan)
         seed = (None if model._init_seed is None else
                 initialisation_seed(model._init_seed, model.model_id, self.stage))
         kept = place_on_rank(model.module, model.model_id, partition, self.server,
-                             loading=bool(model._after_placement), seed=seed)
+                             loading=bool(model._after_placement), seed=seed,
+                             loaded=model._filled_at_placement)
         program_steps.placed(model, partition)
         # every rank released the other stages' tensors, or split layers into its shards
         model._released = self.num_stages > 1 or self.layout.tp > 1

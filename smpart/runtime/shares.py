@@ -23,7 +23,7 @@ their concatenation is the batch one process would have taken.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -146,12 +146,15 @@ def replica_weight(shares: Sequence[float] | None, replica: int) -> float:
     return len(shares) * shares[replica] / sum(shares)
 
 
-def check_batch_shares(samples: int | None, shares: Sequence[float], replica: int, group: Any) -> None:
+def check_batch_shares(samples: int | None, shares: Sequence[float], replica: int, group: Any,
+                       wait: Callable[[Any], None] | None = None) -> None:
     """Every first-stage rank: the samples each replica was fed are exactly in the shares'
-    proportions (collective over ``group``, the first stage's data-parallel ranks)."""
+    proportions (collective over ``group``, the first stage's data-parallel ranks; ``wait``
+    waits for it, bounded, default: without a limit)."""
     count = torch.tensor([-1 if samples is None else samples], dtype=torch.int64)
     every = [torch.zeros_like(count) for _ in shares]
-    dist.all_gather(every, count, group=group)
+    work = dist.all_gather(every, count, group=group, async_op=True)
+    (wait or (lambda w: w.wait()))(work)
     fed = [int(t.item()) for t in every]
     if any(n < 0 for n in fed):
         raise SmpartError("with data_parallel_shares every replica's step needs a tensor argument to split "

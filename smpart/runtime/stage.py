@@ -81,6 +81,7 @@ from smpart.runtime.schedule import BACKWARD, FORWARD, Action, schedule_named
 from smpart.runtime.scheduler import NEW, RESUME, SEGMENT, Cancelled, Claim, StageScheduler, TimedOut
 from smpart.runtime.threads import compute_thread
 from smpart.runtime.transport import Transport
+from smpart.tensor_parallel import streams
 
 POLL_S = 0.05
 log = logging.getLogger("smpart.runtime")
@@ -189,6 +190,9 @@ class StageStep:
         self.spans: list[tuple[int, str, float, float]] = []
         self.aborted = False
         self.lock = threading.Lock()
+        #: Notified when a gradient message joins the backlog or the step is aborted: what a
+        #: tensor-parallel follower's segment waits on for the messages its leader's consumed.
+        self.gradients_came = threading.Condition(self.lock)
 
     def home(self, microbatch: int) -> Address:
         return (self.driver_place, driver_endpoint(self.step, microbatch))
@@ -522,6 +526,7 @@ class StageServer:
         mb = message.microbatch
         with run.lock:
             run.backlog[mb].append(message)
+            run.gradients_came.notify_all()
             if mb in run.segment_queued:
                 return
             run.segment_queued.add(mb)
@@ -583,7 +588,9 @@ class StageServer:
         self.send(run.coordinator, report)
 
     def _abort(self, run: StageStep) -> None:
-        run.aborted = True
+        with run.lock:
+            run.aborted = True
+            run.gradients_came.notify_all()
         run.scheduler.abort()
         for waiter in list(run.waiting.values()):
             waiter.cancel()
@@ -627,6 +634,7 @@ class StageServer:
         try:
             self._run_call(run, request, frame, fetched)
         finally:
+            streams.leave()  # a split region left open (its row partner on another stage) ends here
             self._step_out(frame)
 
     def _run_call(self, run: StageStep, request: Request, frame: Frame,
@@ -797,10 +805,12 @@ class StageServer:
             self.flush(frame)
         resume = ref.promised and frame.promised is not None and frame.claim is not None
         if resume:
+            region = streams.suspend()  # the work run meanwhile draws from the shared stream
             self._step_out(frame)
         value = have if have is not None else self._fetched(run, ref)
         if resume:
             self.enter_compute(frame)
+            streams.resume(region)
         return value
 
     def _fetched(self, run: StageStep, ref: handles.HandleRef) -> torch.Tensor:
@@ -1016,20 +1026,19 @@ class StageServer:
             return sorted(messages, key=lambda m: m.origin)
         wanted = set(claim.payload)
         deadline = time.monotonic() + run.timeout_s
-        while True:
-            with run.lock:
-                queued = run.backlog.get(mb, [])
-                if wanted <= {m.origin for m in queued}:
-                    taken = [m for m in queued if m.origin in wanted]
-                    rest = [m for m in queued if m.origin not in wanted]
-                    run.backlog[mb] = rest
-                    if not rest:
-                        run.segment_queued.discard(mb)
-                    break
-            self._check(run)
-            if time.monotonic() > deadline:
-                raise TimedOut(self._describe_wait(run, None, mb))
-            time.sleep(0.001)
+        with run.gradients_came:  # woken by each message; every POLL_S it checks for lost peers
+            while not wanted <= {m.origin for m in run.backlog.get(mb, [])}:
+                self._check(run)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimedOut(self._describe_wait(run, None, mb))
+                run.gradients_came.wait(min(POLL_S, left))
+            queued = run.backlog[mb]
+            taken = [m for m in queued if m.origin in wanted]
+            rest = [m for m in queued if m.origin not in wanted]
+            run.backlog[mb] = rest
+            if not rest:
+                run.segment_queued.discard(mb)
         if rest:  # gradients that a later segment of the leader consumed
             self.workers.submit(lambda: self._run_segment(run, mb))
         return sorted(taken, key=lambda m: m.origin)

@@ -7,6 +7,9 @@ replica): its optimizer keeps state for, and updates, only those; then every par
 broadcast from its owner over the data-parallel group. Optimizer memory per rank drops by the
 data-parallel degree; the cost is one broadcast of the parameters per step.
 
+The broadcast waits at most ``timeout_s``: a replica that never comes to it (hung, or gone
+without closing its connections) is named in the `SmpartError` (`smpart.distributed.attendance`).
+
 Why not ``torch.distributed.optim.ZeroRedundancyOptimizer``: it builds its own optimizer from a
 class and the parameters at construction, before smpart has placed the model (the user builds
 the optimizer first), and broadcasts ``param.data``, which a tensor-parallel shard (a DTensor)
@@ -15,18 +18,25 @@ does not offer. Here the user's optimizer keeps running; only its parameter list
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from smpart.distributed.attendance import Attendance
+from smpart.runtime.data_parallel import OPTIMIZER, ordinal
+
 
 class ShardedState:
     """The owner of each parameter among ``dp`` replicas, and the broadcast after a step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, group: Any, dp: int) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, group: Any, dp: int,
+                 attendance: Attendance | None = None, timeout_s: float = 1800.0) -> None:
         self.group = group
         self.dp = dp
+        self.attendance = attendance or Attendance(dist.get_rank(), store=False)
+        self.timeout_s = timeout_s
         self.rank = dist.get_rank(group)
         self.ranks = dist.get_process_group_ranks(group)
         #: Every parameter this rank holds, in optimizer order (the optimizer keeps only its own).
@@ -39,12 +49,16 @@ class ShardedState:
             if id(p) not in mine:
                 del optimizer.state[p]
 
-    def broadcast(self) -> None:
-        """Every parameter from its owner to the other replicas (asynchronously, then wait)."""
+    def broadcast(self, step: int = 0) -> None:
+        """Every parameter from its owner to the other replicas (asynchronously, then wait), after
+        the optimizer's step that followed step ``step`` (numbered from 0)."""
+        mark, where = ordinal(step, OPTIMIZER), f"the sharded optimizer's broadcast after step {step + 1}"
+        self.attendance.arrive(mark, where)
         works = [dist.broadcast(_local(p).data, self.ranks[owner], group=self.group, async_op=True)
                  for p, owner in zip(self.params, self.owner, strict=True)]
+        deadline = time.monotonic() + self.timeout_s
         for work in works:
-            work.wait()
+            self.attendance.wait(work, max(0.001, deadline - time.monotonic()), mark, where, self.ranks)
 
 
 def owners(sizes: list[int], dp: int) -> list[int]:

@@ -14,7 +14,8 @@ The steps, each its own file:
 - `full_state_dict(model)` / `dcp_state_dict(model)` (`layers`) give whole tensors, or tensors
   ``torch.distributed.checkpoint`` can store and reshard.
 
-The collectives with autograd live in `collectives`.
+The collectives with autograd live in `collectives`; the random stream of each rank for what a
+split region holds (Megatron's second generator), in `streams`.
 """
 
 from smpart.tensor_parallel.collectives import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp

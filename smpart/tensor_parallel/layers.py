@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from smpart.errors import SmpartError
+from smpart.tensor_parallel import streams
 from smpart.tensor_parallel.collectives import (
     copy_to_tp,
     gather_from_tp,
@@ -205,8 +206,10 @@ class _OnMesh:
             for name, param in self.named_parameters(recurse=False):
                 full = getattr(twin, name).detach()
                 (placement,) = param.placements
-                if isinstance(placement, Shard | _StridedShard):
-                    full = local_shard(full, placement.dim, rank, size, getattr(placement, "split_factor", 1))
+                fused = getattr(placement, "split_factor", 1)
+                if isinstance(placement, Shard | _StridedShard):  # a view where it can (no copy)
+                    full = (full.chunk(size, placement.dim)[rank] if fused == 1
+                            else local_shard(full, placement.dim, rank, size, fused))
                 param.to_local().copy_(full)
 
     def reset_parameters(self) -> None:
@@ -325,7 +328,12 @@ class DistributedLinear(_OnMesh, nn.Module):
         bias = None if self.bias is None else self.bias.to_local()
         if self.style == COLUMN:
             y = self._matmul(copy_to_tp(x, self.group), weight, bias)
-            return gather_from_tp(y, self.group, self.fused) if self.gather_output else y
+            if self.gather_output:
+                return gather_from_tp(y, self.group, self.fused)
+            if self.training and self.tp_size > 1:  # a dropout on y masks this rank's part alone
+                streams.enter(y.device, self.tp_rank)
+            return y
+        streams.leave()  # what follows is whole on every rank, and draws alike
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
         y = reduce_from_tp(self._matmul(x, weight, None), self.group)

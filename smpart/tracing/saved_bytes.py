@@ -95,7 +95,11 @@ class SavedBytesCounter:
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.count(tensor, self._running())
-        return tensor  # saved as is: no copy, nothing changes for autograd
+        # Saved as is (no copy), but detached: an op that saves its own output (tanh, softmax)
+        # would otherwise hold, through this hook, the tensor whose graph holds the hook: a cycle
+        # through autograd's C++ that no garbage collection breaks, keeping this counter, the
+        # recorder and so the traced model alive for ever.
+        return tensor.detach()
 
     def _remember(self, tensor: torch.Tensor) -> tuple[int | None, int]:
         """Mark ``tensor``'s storage seen; returns (its key, its bytes), or (None, 0) if seen before."""

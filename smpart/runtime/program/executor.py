@@ -37,6 +37,7 @@ from smpart.runtime.program.actions import Action, Program
 from smpart.runtime.program.glue import Backward, Diverged, GlueMode, MicrobatchRun, send_final_leaves
 from smpart.runtime.program.templates import UNPREDICTABLE, call_key
 from smpart.runtime.scheduler import Cancelled
+from smpart.tensor_parallel import streams
 
 POLL_S = 0.05
 
@@ -120,23 +121,27 @@ def _describe_key(key: tuple) -> str:
 class Suspension:
     """Thread-local torch state a greenlet takes with it when it stops mid-body."""
 
-    __slots__ = ("ambient", "frame", "modes")
+    __slots__ = ("ambient", "frame", "modes", "region")
 
     def __init__(self) -> None:
         self.ambient = ambient_state.capture()
         self.frame = current_frame()
         self.modes: list = []
+        self.region: streams.Suspended | None = None
 
     def leave(self, base: ambient_state.Ambient) -> None:
-        """Take the body's state off the thread (the loop's goes back on)."""
+        """Take the body's state off the thread (the loop's goes back on), a tensor-parallel split
+        region too: what the loop runs meanwhile draws from the shared random stream."""
         stack = torch._C._len_torch_function_stack()
         self.modes = [torch._C._pop_torch_function_stack() for _ in range(stack)]
+        self.region = streams.suspend()
         _set_ambient(base)
         _set_frame(None)
 
     def resume(self) -> None:
         _set_ambient(self.ambient)
         _set_frame(self.frame)
+        streams.resume(self.region)
         for mode in reversed(self.modes):
             torch._C._push_on_torch_function_stack(mode)
 
@@ -289,6 +294,7 @@ class RankRun:
         self.mode.run = run
         with running(run.frame), self.ambient.applied(), mode:
             result = self.fn(*args, **kwargs)
+            streams.leave()  # a split region left open (its row partner on another rank) ends here
             run.finish(result)
         if run.leaves:  # gradients no root of this rank can reach (none, without a backward) go now
             sent = send_final_leaves(run, max((root.pos for root in run.roots), default=-1), self.wire)

@@ -50,6 +50,7 @@ from smpart.runtime.ambient import capture
 from smpart.runtime.calls import Frame, as_pipeline_error, running
 from smpart.runtime.program.placeholder import METADATA, LazyNode, Placeholder, holders, lowest, meta_of
 from smpart.runtime.program.templates import UNPREDICTABLE, OutputTemplate, call_key
+from smpart.tensor_parallel import streams
 
 _AT = "_smpart_at"  # a tensor this rank made inside a micro-batch: (avail, pos, run)
 _T = torch.Tensor
@@ -481,6 +482,7 @@ class MicrobatchRun:
             return self._called_here(staged, args, kwargs)
 
     def _called_elsewhere(self, staged: Any, owner: int, args: tuple, kwargs: dict) -> Any:
+        streams.leave()  # a split region ends where the call leaves this rank (`streams`)
         rank = self.rank
         self.event(("call", staged.name, owner))
         for t in _tensors((args, kwargs)):

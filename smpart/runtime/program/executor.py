@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from greenlet import getcurrent, greenlet
 
 from smpart.errors import PipelineError, SmpartError
@@ -181,6 +182,22 @@ class RankReport:
     forward: dict[int, list] = field(default_factory=dict)
     backward: dict[int, list] = field(default_factory=dict)
     error: BaseException | None = None
+
+    def __getstate__(self) -> dict:
+        # An unpickled pytree spec warns (torch's deprecated LeafSpec check, on every rank and
+        # step): the specs travel in torch's own serialised form.
+        state = dict(self.__dict__)
+        state["specs"] = {mb: _spec_as(pytree.treespec_dumps, entry) for mb, entry in self.specs.items()}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state["specs"] = {mb: _spec_as(pytree.treespec_loads, entry) for mb, entry in state["specs"].items()}
+        self.__dict__.update(state)
+
+
+def _spec_as(convert: Callable[[Any], Any], entry: tuple | None) -> tuple | None:
+    """A micro-batch's (spec, constants, tensors) with its spec converted."""
+    return None if entry is None else (convert(entry[0]), *entry[1:])
 
 
 class RankRun:

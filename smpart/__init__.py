@@ -17,19 +17,9 @@ from smpart.errors import (
     SmpartError,
     TraceError,
 )
-from smpart.partition.result import Partition, StageLoad
-from smpart.tracing.tree import DataEdge, ModuleNode, ModuleTree
-
-# The functions below are imported after the data classes above, each in its own block, because
-# ``smpart.partition`` (the function) must win over the subpackage of the same name, which Python
-# binds as an attribute of ``smpart`` when a ``smpart.partition.*`` module is first imported.
-# isort: split
-from smpart.tracing import tracer as _tracer
-
-# isort: split
-from smpart.partition.api import partition
-
-# isort: split
+from smpart.partitioning.api import partition
+from smpart.partitioning.result import Partition, StageLoad
+from smpart.planner import Cluster, DeviceType, Plan, Plans, plan
 from smpart.runtime import (
     DistributedModel,
     DistributedOptimizer,
@@ -59,9 +49,9 @@ from smpart.runtime.activation_checkpointing import set_activation_checkpointing
 from smpart.runtime.boundary import register_carried_state
 from smpart.runtime.shares import ReplicaBatchSampler, replica_batch_size, replica_batch_sizes
 from smpart.tensor_parallel import record_split_shares, set_tensor_parallelism, tensor_parallelism
-
-# isort: split
-from smpart.planner import Cluster, DeviceType, Plan, Plans, plan
+from smpart.tracing import tracer as _tracer
+from smpart.tracing.tree import DataEdge, ModuleNode, ModuleTree
+from smpart.viz import show, to_html
 
 __version__ = "0.1.0"
 
@@ -118,6 +108,8 @@ __all__ = [
     "TraceError",
     "trace",
     "partition",
+    "show",
+    "to_html",
     "DistributedModel",
     "DistributedOptimizer",
     "StepOutput",

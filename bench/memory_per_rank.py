@@ -213,7 +213,7 @@ def _every_key(rank: int, directory: str) -> dict | None:
 def _load_weights(rank: int, directory: str, pp: int, built_for_real: bool) -> dict:
     """``smpart.load_weights`` before the first step: what this rank read and received, its peak
     and the first step's time (placement and the load)."""
-    import smpart.checkpoint as ckpt
+    import smpart.checkpoint.stores as ckpt
     import smpart.runtime.replicas as replicas
 
     counted = {"read": 0, "received": 0}

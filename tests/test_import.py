@@ -25,7 +25,7 @@ def test_dtensor_and_checkpoints_are_imported_at_first_use():
     assert done.returncode == 0, done.stderr
     before, api, after, modules = done.stdout.splitlines()
     assert before == "[]"  # ~1.4 s of the import, not paid by a script that splits no layer
-    assert api == "smpart.checkpoint smpart.checkpoint True"
+    assert api == "smpart.checkpoint.save smpart.checkpoint.weights True"
     assert after == "['torch.distributed.tensor', 'torch.distributed.checkpoint']"
     # the public modules answer after a plain ``import smpart`` (smpart.nn needed its own import)
     assert modules == "DistributedLinear smpart.runtime.grad_scaler True"

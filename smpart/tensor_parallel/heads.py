@@ -40,6 +40,10 @@ proven as well as a real one; it runs in float64 (float32 if the module refuses 
 for a module of more than `_LARGE` parameters, in float32 first: a wrong split is off by the
 size of the values, far beyond float32's rounding, and the proof of a Llama-8B-sized attention
 then moves half the bytes.
+
+Why one file of ~680 lines: the three steps are one algorithm that reads top to bottom and share
+its private records (the observed run `_Run`, the rank emulation `_Rank`); finding calls the
+proof, and the proof localises, so apart they would import each other.
 """
 
 from __future__ import annotations

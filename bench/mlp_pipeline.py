@@ -76,6 +76,8 @@ def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @smpart.step
+
+
 def smpart_step(model, x, y):
     loss = F.cross_entropy(model(x), y)
     model.backward(loss)
@@ -220,4 +222,3 @@ def run_unsplit(warmup: int, steps: int, microbatched: bool,
         opt.zero_grad()
 
     return timed(one_step, warmup, steps, usage)
-

@@ -49,6 +49,8 @@ WAIT_S = 60.0
 
 
 @dataclass
+
+
 class Message:
     kind: str
     microbatch: int
@@ -146,7 +148,6 @@ def run_one_thread(rank: int, schedule: str, warmup: int, steps: int) -> dict[st
     times = run(rank, halves.first, halves.second, *make_batch(), schedule, MICROBATCHES,
                 lambda one_step: timed(one_step, warmup, steps, usage))
     return {"times": times, **usage}
-
 
 
 def main() -> None:

@@ -199,7 +199,6 @@ def _print_anatomy(anatomies: dict[str, list[dict[str, list[float]]]], compute: 
               f"{hand['backward'][1] * 1e3:.2f} / {hand['backward'][2] * 1e3:.1f}")
 
 
-
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:7.1f}"
 

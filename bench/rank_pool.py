@@ -131,4 +131,3 @@ class RankPool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-

@@ -15,6 +15,8 @@ from smpart.errors import CheckpointError
 
 
 @contextlib.contextmanager
+
+
 def _single_process_is_meant() -> Iterator[None]:
     """Without a process group DCP warns that it assumes one process: here that is the intent."""
     with warnings.catch_warnings():

@@ -18,6 +18,8 @@ from smpart.runtime.optimizer import DistributedOptimizer
 
 
 @dataclass
+
+
 class _Layout:
     """The tensors this rank holds, by ``state_dict`` name, and the names of the whole model."""
 

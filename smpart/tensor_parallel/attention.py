@@ -20,6 +20,8 @@ from smpart.tensor_parallel.heads import HeadSplit
 
 
 @dataclass(frozen=True)
+
+
 class AttentionLayout:
     """Where an attention module keeps its projections, and its head counts.
 
@@ -31,6 +33,7 @@ class AttentionLayout:
     row: str
     q_heads: int
     kv_heads: int
+
 
 class AttentionAdapter:
     """Knows one attention class: where its projections are, its heads, and how to localise it.
@@ -255,4 +258,3 @@ def looks_like_attention(module: nn.Module) -> bool:
     name = type(module).__name__.lower()
     return "attention" in name or "attn" in name or any(
         isinstance(getattr(module, a, None), int) for a in _HEAD_ATTRIBUTES)
-

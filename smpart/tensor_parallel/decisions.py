@@ -25,6 +25,8 @@ class TensorParallelWarning(UserWarning):
 
 # ==================================================================== decisions
 @dataclass
+
+
 class Decision:
     """How one Linear / Conv1D / Embedding module is split (``style`` ``"none"``: kept whole)."""
 
@@ -49,6 +51,8 @@ class Decision:
 
 
 @dataclass
+
+
 class AttentionSplit:
     """An attention module whose heads are split: ``q_heads``/``kv_heads`` are global counts."""
 
@@ -63,6 +67,8 @@ class AttentionSplit:
 
 
 @dataclass
+
+
 class TensorParallelPlan:
     """Per module decisions for one model and degree; print it for a table."""
 
@@ -125,8 +131,9 @@ class TensorParallelPlan:
         return "\n".join(lines)
 
 
-
 # ==================================================================== what can be split
+
+
 def module_kind(module: nn.Module) -> str | None:
     """"linear", "embedding" or None, for the modules the swap can replace exactly."""
     if _is_conv1d(module):
@@ -140,7 +147,6 @@ def module_kind(module: nn.Module) -> str | None:
 
 def own_numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters(recurse=False))
-
 
 
 def out_features(module: nn.Module) -> int:

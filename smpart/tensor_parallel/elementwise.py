@@ -90,4 +90,3 @@ def _elementwise_node(node: torch.fx.Node, parent: nn.Module) -> bool:
     if node.op == "call_module":
         return _elementwise_module(parent.get_submodule(node.target))
     return False
-

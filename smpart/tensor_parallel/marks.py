@@ -47,6 +47,8 @@ def _mark_owner(owner: nn.Module, _name: str, _param: Any) -> None:
 
 
 @contextlib.contextmanager
+
+
 def tensor_parallelism(enabled: bool = True) -> Iterator[None]:
     """Mark every module created (or attached to a model) inside the block, as
     `set_tensor_parallelism` would. Uses torch's global module and parameter registration hooks
@@ -64,4 +66,3 @@ def tensor_parallelism(enabled: bool = True) -> Iterator[None]:
         if not _CONTEXT:
             while _HOOKS:
                 _HOOKS.pop().remove()
-

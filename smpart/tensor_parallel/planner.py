@@ -586,4 +586,3 @@ def _child_name(parent: nn.Module, child: nn.Module) -> str:
 
 def _tree_params(tree: ModuleTree, node_name: str) -> int:
     return tree.node(node_name).param_count if node_name in tree else 0
-

@@ -36,4 +36,3 @@ def published_plan(model: nn.Module) -> dict[str, str]:
 def pattern_matches(pattern: str, name: str) -> bool:
     parts, names = pattern.split("."), name.split(".")
     return len(parts) == len(names) and all(map(fnmatch.fnmatchcase, names, parts))
-

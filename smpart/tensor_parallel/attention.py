@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from smpart.tensor_parallel.heads import HeadSplit
+from smpart.tensor_parallel.localize import HeadSplit
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from typing import Any
 
 from torch import nn
 
-from smpart.tensor_parallel.heads import HeadSplit
 from smpart.tensor_parallel.layers import COLUMN, DIM, ROW, VOCAB, _is_conv1d
+from smpart.tensor_parallel.localize import HeadSplit
 
 NONE = "none"
 SPLIT_STYLES = (COLUMN, ROW, VOCAB, DIM)

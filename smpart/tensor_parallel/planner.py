@@ -66,8 +66,9 @@ from smpart.tensor_parallel.decisions import (
     own_numel,
 )
 from smpart.tensor_parallel.elementwise import elementwise_between
-from smpart.tensor_parallel.heads import HeadSplit, find_head_split
+from smpart.tensor_parallel.heads import find_head_split
 from smpart.tensor_parallel.layers import COLUMN, DIM, ROW, VOCAB, _is_conv1d
+from smpart.tensor_parallel.localize import HeadSplit
 from smpart.tensor_parallel.marks import tensor_parallelism_of
 from smpart.tensor_parallel.published import PUBLISHED_STYLES, pattern_matches, published_plan
 from smpart.tracing.tree import INPUT, ModuleTree

@@ -51,7 +51,6 @@ from smpart.runtime.shares import ReplicaBatchSampler, replica_batch_size, repli
 from smpart.tensor_parallel import record_split_shares, set_tensor_parallelism, tensor_parallelism
 from smpart.tracing import tracer as _tracer
 from smpart.tracing.tree import DataEdge, ModuleNode, ModuleTree
-from smpart.viz import show, to_html
 
 __version__ = "0.1.0"
 
@@ -59,6 +58,9 @@ __version__ = "0.1.0"
 #: ``torch.distributed.tensor``) costs ~1.4 s, a third of ``import smpart``.
 _CHECKPOINT_API = ("save_checkpoint", "load_checkpoint", "load_weights")
 
+
+#: The views of a partition, imported at first use too (rich's console costs ~50 ms).
+_VIEWS = ("show", "to_html")
 
 #: Public modules, imported at first use too: ``smpart.nn.DistributedLinear``, ``smpart.amp.GradScaler``.
 _MODULES = ("nn", "amp")
@@ -69,13 +71,17 @@ def __getattr__(name: str):
         from smpart import checkpoint
 
         return getattr(checkpoint, name)
+    if name in _VIEWS:
+        from smpart import viz
+
+        return getattr(viz, name)
     if name in _MODULES:
         return importlib.import_module(f"smpart.{name}")
     raise AttributeError(f"module 'smpart' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_CHECKPOINT_API, *_MODULES})
+    return sorted({*globals(), *_CHECKPOINT_API, *_VIEWS, *_MODULES})
 
 
 @functools.wraps(_tracer.trace)

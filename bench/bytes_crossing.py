@@ -238,7 +238,7 @@ def main() -> None:
             threads[(s, "whole")] = report(s, measure(s, pin=pins[s]), cfg.n_embd, seq,
                                            " (the same, split blocks kept whole by pins)")
     if a.processes:
-        from bench.processes import RankPool
+        from bench.rank_pool import RankPool
 
         for world in a.processes:
             if world not in pins:

@@ -138,7 +138,7 @@ def _stage_rank(rank: int, args: argparse.Namespace, root: str) -> tuple[float, 
 
 
 def run_processes(args: argparse.Namespace, root: Path) -> list[tuple[str, float, float, float]]:
-    from bench.processes import RankPool
+    from bench.rank_pool import RankPool
 
     with RankPool(args.procs) as pool:
         save, load, written = pool.run(_stage_rank, args, str(root), timeout_s=1800)[0]

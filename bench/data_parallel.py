@@ -1,6 +1,6 @@
 """Data parallelism: smpart with dp = 2 against torch's ``DistributedDataParallel`` on 2 processes.
 
-The model of `bench/processes.py` (8 MLP blocks 256 -> 1024 -> 256 and a head, float32, about
+The model of `bench/mlp_pipeline.py` (8 MLP blocks 256 -> 1024 -> 256 and a head, float32, about
 4.2 M parameters), batch 256 per replica, cross-entropy, forward + backward + SGD step, one
 intra-op thread per rank, gloo. Three configurations alternate round by round in one run:
 
@@ -32,7 +32,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smpart  # noqa: E402
-from bench.processes import MLP, RankPool  # noqa: E402
+from bench.mlp_pipeline import MLP  # noqa: E402
+from bench.rank_pool import RankPool  # noqa: E402
 
 BATCH = 256
 

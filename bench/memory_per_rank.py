@@ -1,7 +1,7 @@
 """Peak memory per rank where a rank could hold more than its part, and what a 1 B-parameter
 checkpoint costs each rank to load.
 
-Three cases, each on processes of its own (`bench.processes.RankPool`, gloo, CPU):
+Three cases, each on processes of its own (`bench.rank_pool.RankPool`, gloo, CPU):
 
 - ``reinit``: 16 layers ``Linear(2048, 2048)`` (268 MB of float32 weights, twice that of Adam
   state) built on meta, one step and one Adam step on 4 stages, ``smpart.shutdown()``, then
@@ -56,7 +56,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smpart  # noqa: E402
-from bench.processes import RankPool  # noqa: E402
+from bench.rank_pool import RankPool  # noqa: E402
 
 MB = 1e6
 
@@ -213,7 +213,7 @@ def _every_key(rank: int, directory: str) -> dict | None:
 def _load_weights(rank: int, directory: str, pp: int, built_for_real: bool) -> dict:
     """``smpart.load_weights`` before the first step: what this rank read and received, its peak
     and the first step's time (placement and the load)."""
-    import smpart.checkpoint as ckpt
+    import smpart.checkpoint.stores as ckpt
     import smpart.runtime.replicas as replicas
 
     counted = {"read": 0, "received": 0}

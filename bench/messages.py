@@ -1,6 +1,6 @@
 """A step's messages between processes, kind by kind: how many, and the CPU each rank spends on them.
 
-The MLP of `bench/processes.py` on 2 processes (gloo, 1 intra-op thread per rank, 4
+The MLP of `bench/mlp_pipeline.py` on 2 processes (gloo, 1 intra-op thread per rank, 4
 micro-batches, 1f1b by default). For every kind of message a rank sends to the other (a `Batch`
 by what it holds), per step: how many, the CPU to *pack* it (pickle the header, copy the tensors
 into the frame, `smpart.distributed.wire.pack`) and to *post* it (hand its transfers to gloo);
@@ -33,7 +33,8 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smpart  # noqa: E402
-from bench.processes import MICROBATCHES, PINS, STAGES, RankPool, make_batch, make_model, smpart_step  # noqa: E402
+from bench.mlp_pipeline import MICROBATCHES, PINS, STAGES, make_batch, make_model, smpart_step  # noqa: E402
+from bench.rank_pool import RankPool  # noqa: E402
 from smpart.distributed import transport, wire  # noqa: E402
 from smpart.runtime import stage  # noqa: E402
 from smpart.runtime.messages import Batch  # noqa: E402

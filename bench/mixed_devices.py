@@ -56,8 +56,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smpart  # noqa: E402
 from bench import planner_processes as sleepers  # noqa: E402
+from bench.mlp_pipeline import pipelining_step, timed  # noqa: E402
 from bench.planner_fidelity import spearman  # noqa: E402
-from bench.processes import RankPool, _timed, pipelining_step  # noqa: E402
+from bench.rank_pool import RankPool  # noqa: E402
 from smpart.devices import GIB, DeviceType, as_device_type  # noqa: E402
 from smpart.planner import Cluster, Node, price  # noqa: E402
 
@@ -135,7 +136,7 @@ def run_torch(rank: int, spec: tuple, microbatches: int, warmup: int, steps: int
         target = torch.zeros(GLOBAL_BATCH)
 
         dist.barrier()
-        times = _timed(lambda: pipelining_step(schedule, rank, WORLD, x, target), warmup, steps)
+        times = timed(lambda: pipelining_step(schedule, rank, WORLD, x, target), warmup, steps)
         dist.barrier()
         return times
     finally:

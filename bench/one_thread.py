@@ -39,6 +39,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.mlp_pipeline import MICROBATCHES, Halves, make_batch, make_model, run_torch, timed  # noqa: E402
+from bench.rank_pool import RankPool  # noqa: E402
 from smpart.distributed.transport import ProcessTransport  # noqa: E402
 from smpart.runtime.schedule import FORWARD, schedule_named  # noqa: E402
 
@@ -47,6 +49,8 @@ WAIT_S = 60.0
 
 
 @dataclass
+
+
 class Message:
     kind: str
     microbatch: int
@@ -137,9 +141,16 @@ def run(rank: int, first: nn.Module, second: nn.Module, x: torch.Tensor, y: torc
         dist.destroy_process_group(group)
 
 
-def main() -> None:
-    from bench.processes import RankPool, run_one_thread, run_torch
+def run_one_thread(rank: int, schedule: str, warmup: int, steps: int) -> dict[str, Any]:
+    """The yardstick of `bench.one_thread`: smpart's transport and order of work, one thread a rank."""
+    halves = Halves(make_model())
+    usage: dict[str, Any] = {}
+    times = run(rank, halves.first, halves.second, *make_batch(), schedule, MICROBATCHES,
+                lambda one_step: timed(one_step, warmup, steps, usage))
+    return {"times": times, **usage}
 
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=7)

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smpart  # noqa: E402
 from bench.p2p_roundtrip import raw_round_trips  # noqa: E402
-from bench.processes import RankPool  # noqa: E402
+from bench.rank_pool import RankPool  # noqa: E402
 from smpart.runtime.runtime import current_runtime  # noqa: E402
 
 PINS = {"": 0, "local": 0, "remote": 1}

@@ -42,11 +42,11 @@ from rich.table import Table  # noqa: E402
 
 from examples import models  # noqa: E402
 from smpart.devices import DeviceType  # noqa: E402
-from smpart.partition.api import partition  # noqa: E402
-from smpart.partition.partitioner import _anchors, _leaf_units, _unit_costs  # noqa: E402
-from smpart.partition.result import Partition  # noqa: E402
-from smpart.partition.reuse import loop_unit_names  # noqa: E402
-from smpart.partition.segment import min_max_segments  # noqa: E402
+from smpart.partitioning.api import partition  # noqa: E402
+from smpart.partitioning.partitioner import _anchors, _leaf_units, _unit_costs  # noqa: E402
+from smpart.partitioning.result import Partition  # noqa: E402
+from smpart.partitioning.reuse import loop_unit_names  # noqa: E402
+from smpart.partitioning.segment import min_max_segments  # noqa: E402
 from smpart.tracing.tracer import trace  # noqa: E402
 from smpart.tracing.tree import ModuleNode, ModuleTree  # noqa: E402
 

@@ -44,7 +44,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smpart  # noqa: E402
-from bench.processes import RankPool, _timed, pipelining_step  # noqa: E402
+from bench.mlp_pipeline import pipelining_step, timed  # noqa: E402
+from bench.rank_pool import RankPool  # noqa: E402
 
 
 class SleepKernel(torch.autograd.Function):
@@ -138,7 +139,7 @@ def on_processes(pool: RankPool, *args, programs: bool = True) -> tuple[list[flo
 def on_rank_torch(rank: int, schedule: str, stages: int, microbatches: int, seconds: float, steps: int,
                   width: int = 8) -> tuple[list[float], list[float], str, float]:
     """The same blocks under torch.distributed.pipelining, one per rank (``PipelineStage`` by hand,
-    as `bench.processes.run_torch`), with the loss ``sum`` on the last stage."""
+    as `bench.mlp_pipeline.run_torch`), with the loss ``sum`` on the last stage."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     block = SleepBlock(seconds)
@@ -153,7 +154,7 @@ def on_rank_torch(rank: int, schedule: str, stages: int, microbatches: int, seco
 
     torch.distributed.barrier()
     usage: dict[str, Any] = {}
-    times = _timed(one_step, stages, steps, usage)
+    times = timed(one_step, stages, steps, usage)
     torch.distributed.barrier()
     return times, [float("nan")] * steps, "", usage["cpu"]
 

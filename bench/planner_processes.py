@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smpart  # noqa: E402
 from bench.planner_fidelity import spearman  # noqa: E402
-from bench.processes import RankPool  # noqa: E402
+from bench.rank_pool import RankPool  # noqa: E402
 from smpart.planner import Cluster, DeviceType, Node  # noqa: E402
 from smpart.planner.cluster import GBPS, GIB  # noqa: E402
 

@@ -46,278 +46,46 @@ balanced stages is ``(m + 1) / (2 m)`` of the micro-batched unsplit step (``m`` 
     .venv/bin/python bench/processes.py [--rounds 3] [--steps 7] [--warmup 3] [--by-thread] [--pin]
                                         [--anatomy]
 
-`RankPool` is also what `bench/overhead.py` and `bench/pipeline_efficiency.py` launch processes with.
+The workload, torch's pipeline on it and the step timer are `bench/mlp_pipeline.py`'s; the pool of
+processes is `bench/rank_pool.py`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
-import os
-import queue
-import re
-import socket
 import statistics
 import sys
-import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smpart  # noqa: E402
-
-
-# ================================================================================= launcher
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _serve(rank: int, world_size: int, port: int, inbox: Any, results: Any, idle_s: float,
-           pin: bool = False) -> None:
-    """A worker: join the gloo job, then run the commands the parent sends until told to stop.
-    ``pin``: on a core of its own, before any thread starts (threads inherit their creator's)."""
-    if pin:
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        while True:
-            try:
-                command = inbox.get(timeout=idle_s)
-            except queue.Empty:
-                return  # the parent went away without saying goodbye
-            if command is None:
-                return
-            fn, args = command
-            try:
-                results.put((rank, fn(rank, *args), None))
-            except BaseException as err:  # noqa: BLE001 - reported to the parent
-                results.put((rank, None, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
-                return
-    finally:
-        with contextlib.suppress(Exception):
-            smpart.shutdown()
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-
-
-def _ready(rank: int) -> int:
-    return rank
-
-
-class RankPool:
-    """``world_size`` spawned processes in one gloo job (the parent hosts the store, as torchrun's
-    agent does), kept up between commands: ``pool.run(fn, *args)`` calls ``fn(rank, *args)`` on
-    every rank (``fn`` must be a module-level function) and returns the per-rank results; every
-    wait is bounded and `close` joins (or kills) every process.
-
-    The pool is made only once every rank has joined the job: workers still importing torch
-    would take the cores from whatever this process measures next (on 2 cores, 4 starting
-    workers slowed a threaded pipeline measured meanwhile by ~20%)."""
-
-    def __init__(self, world_size: int, idle_s: float = 900.0, pin: bool = False) -> None:
-        ctx = mp.get_context("spawn")
-        self.world_size = world_size
-        port = _free_port()
-        self._store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False)
-        self._results = ctx.Queue()
-        self._inboxes = [ctx.Queue() for _ in range(world_size)]
-        self._procs = [ctx.Process(target=_serve, daemon=True, name=f"bench-rank-{r}",
-                                   args=(r, world_size, port, self._inboxes[r], self._results, idle_s, pin))
-                       for r in range(world_size)]
-        for proc in self._procs:
-            proc.start()
-        try:
-            self.run(_ready)
-        except BaseException:
-            self.close()
-            raise
-
-    def run(self, fn: Any, *args: Any, timeout_s: float = 300.0) -> list[Any]:
-        for inbox in self._inboxes:
-            inbox.put((fn, args))
-        out: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_s
-        while len(out) < self.world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(self.world_size)) - set(out))
-                raise TimeoutError(f"{fn.__name__}: ranks {missing} did not answer within {timeout_s:.0f} s")
-            try:
-                rank, value, error = self._results.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [p.name for p in self._procs if not p.is_alive()]
-                if dead:
-                    raise RuntimeError(f"{fn.__name__}: {dead} died") from None
-                continue
-            if error is not None:
-                raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{error}")
-            out[rank] = value
-        return [out[r] for r in range(self.world_size)]
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        for inbox in self._inboxes:
-            with contextlib.suppress(Exception):
-                inbox.put(None)
-        deadline = time.monotonic() + timeout_s
-        for proc in self._procs:
-            proc.join(max(0.1, deadline - time.monotonic()))
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-
-    def __enter__(self) -> RankPool:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-# ================================================================================= the model
-WIDTH, HIDDEN, BLOCKS, CLASSES = 256, 1024, 8, 10
-BATCH, MICROBATCHES, STAGES = 512, 4, 2
-PINS = {"": 0, "head": 1, **{f"blocks.{i}": 0 if i < BLOCKS // 2 else 1 for i in range(BLOCKS)}}
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.GELU(),
-                                                  nn.Linear(HIDDEN, WIDTH)) for _ in range(BLOCKS))
-        self.head = nn.Linear(WIDTH, CLASSES)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def make_model() -> MLP:
-    torch.manual_seed(0)  # every rank builds the same weights
-    return MLP()
-
-
-class Halves(nn.Module):
-    """Diagnostic: the same layers (same weights) grouped into two ``nn.Sequential`` halves, so the
-    root makes one cross-stage call per micro-batch (a chain's one activation each way) instead
-    of one per block of stage 1: what the MLP would cost if outputs stayed on the stage that made
-    them."""
-
-    def __init__(self, mlp: MLP) -> None:
-        super().__init__()
-        half = BLOCKS // 2
-        self.first = nn.Sequential(*mlp.blocks[:half])
-        self.second = nn.Sequential(*mlp.blocks[half:], mlp.head)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.second(self.first(x))
-
-
-#: Virtual stages (``Config(virtual_stages=2)``): four stages of two blocks, rank r holding stages
-#: r and r + 2, as torch's ``ScheduleInterleaved1F1B`` runs them.
-INTERLEAVED_PINS = {"": 0, "head": 3, **{f"blocks.{i}": i // 2 for i in range(BLOCKS)}}
-
-HALVES_PINS = {"": 0, "first": 0, "second": 1, **{f"first.{i}": 0 for i in range(BLOCKS // 2)},
-               **{f"second.{i}": 1 for i in range(BLOCKS // 2 + 1)}}
-
-
-def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
-
-
-@smpart.step
-def smpart_step(model, x, y):
-    loss = F.cross_entropy(model(x), y)
-    model.backward(loss)
-    return loss
-
-
-#: The threads that run the stage and the step body: torch's pipeline runs everything on the main
-#: thread; smpart runs a stage on its server's threads (its dispatcher and workers) and each
-#: micro-batch's step body on a driver thread of its own.
-COMPUTE_THREADS = ("MainThread", "smpart-stage", "smpart-step")
-
-
-def _thread_times() -> dict[int, tuple[float, float, bool, str]]:
-    """Per live thread of this process: seconds on a core, seconds runnable but waiting for one
-    (Linux's ``/proc/self/task/*/schedstat``; empty where it is missing), whether it is one of
-    the `COMPUTE_THREADS` (threads torch or gloo started have no Python name: they are not), and
-    its role (`_role`)."""
-    tasks = "/proc/self/task"
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    times = {}
-    for tid in os.listdir(tasks) if os.path.isdir(tasks) else []:
-        try:
-            with open(f"{tasks}/{tid}/schedstat") as f:
-                on_core, waiting = f.read().split()[:2]
-            name = names.get(int(tid)) or "native " + Path(f"{tasks}/{tid}/comm").read_text().strip()
-        except (OSError, ValueError):
-            continue  # a thread that ended meanwhile
-        computes = name.startswith(COMPUTE_THREADS)
-        times[int(tid)] = (int(on_core) / 1e9, int(waiting) / 1e9, computes, _role(name))
-    return times
-
-
-def _role(name: str) -> str:
-    """What a thread does, from its name: ``smpart-stage1-2`` (a worker of stage 1) -> ``stage workers``."""
-    if re.fullmatch(r"smpart-stage\d+-\d+", name):
-        return "stage workers"
-    if re.fullmatch(r"smpart-stage\d+", name):
-        return "stage dispatcher"
-    if name.startswith("smpart-receive"):
-        return "transport receiver"
-    if name.startswith("smpart-send"):
-        return "transport sender"
-    return re.sub(r"[-_]?\d+$", "", name)
-
-
-def _timed(one_step: Any, warmup: int, steps: int, usage: dict[str, float] | None = None) -> list[float]:
-    """Wall-clock seconds of each of ``steps`` steps after ``warmup``. Fills ``usage`` with seconds
-    per step: ``cpu``, what this whole process (every thread) used; ``beside``, what its threads
-    other than the `COMPUTE_THREADS` used; ``waited``, how long its threads waited for a core;
-    ``roles``, both per kind of thread (`_role`), ``[cpu, waited]``."""
-    for _ in range(warmup):
-        one_step()
-    times = []
-    cpu_start, threads_start = time.process_time(), _thread_times()
-    for _ in range(steps):
-        start = time.perf_counter()
-        one_step()
-        times.append(time.perf_counter() - start)
-    if usage is not None:
-        threads = _thread_times()
-        before = {tid: threads_start.get(tid, (0.0, 0.0)) for tid in threads}
-        used = (time.process_time() - cpu_start) / steps
-        usage.update(cpu=used,
-                     beside=sum(threads[t][0] - before[t][0] for t in threads if not threads[t][2]) / steps,
-                     waited=sum(threads[t][1] - before[t][1] for t in threads) / steps)
-        roles: dict[str, list[float]] = {}
-        for tid, (on_core, waiting, _computes, role) in threads.items():
-            totals = roles.setdefault(role, [0.0, 0.0])
-            totals[0] += (on_core - before[tid][0]) / steps
-            totals[1] += (waiting - before[tid][1]) / steps
-        # Threads that ended within the steps (a step's drivers) are in the process's CPU only.
-        roles["ended within the step"] = [max(0.0, used - sum(t[0] for t in roles.values())), float("nan")]
-        usage["roles"] = roles
-    return times
+from bench.mlp_pipeline import (  # noqa: E402
+    BATCH,
+    BLOCKS,
+    HALVES_PINS,
+    HIDDEN,
+    INTERLEAVED_PINS,
+    MICROBATCHES,
+    PINS,
+    STAGES,
+    WIDTH,
+    Halves,
+    make_batch,
+    make_model,
+    run_torch,
+    run_unsplit,
+    smpart_step,
+    timed,
+)
+from bench.one_thread import run_one_thread  # noqa: E402
+from bench.rank_pool import RankPool  # noqa: E402
 
 
 def run_smpart(rank: int | None, schedule: str, warmup: int, steps: int,
@@ -343,7 +111,7 @@ def run_smpart(rank: int | None, schedule: str, warmup: int, steps: int,
             outputs.append(out)
 
         usage: dict[str, float] = {}
-        times = _timed(one_step, warmup, steps, usage)
+        times = timed(one_step, warmup, steps, usage)
         last = outputs[-1:]
         if rank is not None:
             dist.barrier()  # every rank has measured before any shuts down (a closed peer's receiver ends)
@@ -429,87 +197,6 @@ def _print_anatomy(anatomies: dict[str, list[dict[str, list[float]]]], compute: 
               f"forward 0->1 {hand['forward'][0] * 1e3:.2f} / {hand['forward'][1] * 1e3:.2f} / "
               f"{hand['forward'][2] * 1e3:.1f}, backward 1->0 {hand['backward'][0] * 1e3:.2f} / "
               f"{hand['backward'][1] * 1e3:.2f} / {hand['backward'][2] * 1e3:.1f}")
-
-
-def run_one_thread(rank: int, schedule: str, warmup: int, steps: int) -> dict[str, Any]:
-    """The yardstick of `bench.one_thread`: smpart's transport and order of work, one thread a rank."""
-    from bench import one_thread
-
-    halves = Halves(make_model())
-    usage: dict[str, Any] = {}
-    times = one_thread.run(rank, halves.first, halves.second, *make_batch(), schedule, MICROBATCHES,
-                           lambda one_step: _timed(one_step, warmup, steps, usage))
-    return {"times": times, **usage}
-
-
-def run_torch(rank: int, schedule: str, warmup: int, steps: int) -> dict[str, Any]:
-    """torch.distributed.pipelining over hand-built stages on the pool's default (gloo) group."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    if schedule == "interleaved":  # four stages of two blocks, rank r holding r and r + 2
-        from torch.distributed.pipelining import ScheduleInterleaved1F1B
-
-        mlp = make_model()
-        chunks = [nn.Sequential(*mlp.blocks[2 * i:2 * i + 2]) for i in range(BLOCKS // 2)]
-        chunks[-1].append(mlp.head)
-        mine = [chunks[rank], chunks[rank + STAGES]]
-        stages = [PipelineStage(chunk, index, 2 * STAGES, torch.device("cpu"))
-                  for chunk, index in zip(mine, (rank, rank + STAGES), strict=True)]
-        sched = ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=F.cross_entropy)
-        module = nn.ModuleList(mine)
-    else:
-        halves = Halves(make_model())
-        module = halves.first if rank == 0 else halves.second
-        stage = PipelineStage(module, rank, STAGES, torch.device("cpu"))
-        kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
-        sched = kind(stage, MICROBATCHES, loss_fn=F.cross_entropy)
-    opt = torch.optim.SGD(module.parameters(), lr=0.01)
-    x, y = make_batch()
-    losses: list[torch.Tensor] = []
-
-    def one_step() -> None:
-        if rank == 0:
-            sched.step(x)
-        else:
-            losses.clear()
-            sched.step(target=y, losses=losses)
-        opt.step()
-        opt.zero_grad()
-
-    dist.barrier()
-    usage: dict[str, float] = {}
-    times = _timed(one_step, warmup, steps, usage)
-    dist.barrier()
-    return {"times": times, "loss": torch.stack(losses).mean().item() if losses else None, **usage}
-
-
-def pipelining_step(schedule: Any, rank: int, stages: int, x: torch.Tensor, target: torch.Tensor) -> None:
-    """One step of a torch.distributed.pipelining schedule with one stage per rank: the first
-    stage's rank feeds the batch, the last one's the target, the others neither."""
-    if rank == 0:
-        schedule.step(x)
-    elif rank == stages - 1:
-        schedule.step(target=target)
-    else:
-        schedule.step()
-
-
-def run_unsplit(warmup: int, steps: int, microbatched: bool,
-                usage: dict[str, float] | None = None) -> list[float]:
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = make_batch()
-
-    def one_step() -> None:
-        if microbatched:
-            for xs, ys in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True):
-                (F.cross_entropy(model(xs), ys) / MICROBATCHES).backward()
-        else:
-            F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
-    return _timed(one_step, warmup, steps, usage)
 
 
 def _ms(seconds: float) -> str:

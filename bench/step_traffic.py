@@ -39,7 +39,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smpart  # noqa: E402
-from bench.processes import RankPool  # noqa: E402
+from bench.rank_pool import RankPool  # noqa: E402
 
 MICROBATCHES, BATCH, SEQ = 4, 8, 16
 VOCAB, WIDTH, LAYERS = 256, 32, 4

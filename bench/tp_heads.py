@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smpart  # noqa: E402
 from smpart.tensor_parallel import TensorParallelWarning, heads, plan_tensor_parallel, split_totals  # noqa: E402
-from smpart.tensor_parallel import plan as tp_plan  # noqa: E402
+from smpart.tensor_parallel import planner as tp_planner  # noqa: E402
 from smpart.tracing.call_inputs import describe_call  # noqa: E402
 from tests.foreign_attention import (  # noqa: E402
     Attention,
@@ -43,9 +43,9 @@ GPT2_SMALL = NanoConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12
 
 
 def _planned(finder_on: bool) -> dict[str, object]:
-    original = tp_plan.find_head_split
+    original = tp_planner.find_head_split
     if not finder_on:
-        tp_plan.find_head_split = lambda *_: "the head finder is off"
+        tp_planner.find_head_split = lambda *_: "the head finder is off"
     heads._PROVEN.clear()
     try:
         with torch.device("meta"):
@@ -58,7 +58,7 @@ def _planned(finder_on: bool) -> dict[str, object]:
             warnings.simplefilter("always")
             plan = plan_tensor_parallel(model, 2, example_inputs=tree)
     finally:
-        tp_plan.find_head_split = original
+        tp_planner.find_head_split = original
     share = split_totals(plan, tree)
     warned = sum(issubclass(w.category, TensorParallelWarning) for w in caught)
     return {"params": share.params, "flops": share.flops, "attention": len(plan.attention),

@@ -1,7 +1,7 @@
 """How long the explorer takes to build for GPT-3 175B, and how big the file is.
 
 Traces GPT-3 175B on the meta device (no weights allocated), cuts it into 8 stages, then times
-`Partition.to_html` with the full default grid (memory_weight 0.0..1.0 by 0.1 × 1..8 stages:
+`smpart.viz.to_html` with the full default grid (memory_weight 0.0..1.0 by 0.1 × 1..8 stages:
 88 partitions computed and embedded). Goals: under 10 s and under 5 MB.
 
     .venv/bin/python bench/viz_scale.py [--out gpt3.html]
@@ -21,8 +21,9 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from examples.models import gpt3_175b  # noqa: E402
-from smpart.partition.api import partition  # noqa: E402
+from smpart.partitioning.api import partition  # noqa: E402
 from smpart.tracing.tracer import trace  # noqa: E402
+from smpart.viz import to_html  # noqa: E402
 
 GOAL_SECONDS = 10.0
 GOAL_BYTES = 5 * 1024 * 1024
@@ -42,7 +43,7 @@ def main() -> None:
     part = partition(tree, 8, memory_weight=0.8)
     part.meta["model"] = "GPT-3 175B"
     started = time.perf_counter()
-    part.to_html(out)
+    to_html(part, out)
     generated = time.perf_counter() - started
     size = os.path.getsize(out)
 

@@ -17,19 +17,9 @@ from smpart.errors import (
     SmpartError,
     TraceError,
 )
-from smpart.partition.result import Partition, StageLoad
-from smpart.tracing.tree import DataEdge, ModuleNode, ModuleTree
-
-# The functions below are imported after the data classes above, each in its own block, because
-# ``smpart.partition`` (the function) must win over the subpackage of the same name, which Python
-# binds as an attribute of ``smpart`` when a ``smpart.partition.*`` module is first imported.
-# isort: split
-from smpart.tracing import tracer as _tracer
-
-# isort: split
-from smpart.partition.api import partition
-
-# isort: split
+from smpart.partitioning.api import partition
+from smpart.partitioning.result import Partition, StageLoad
+from smpart.planner import Cluster, DeviceType, Plan, Plans, plan
 from smpart.runtime import (
     DistributedModel,
     DistributedOptimizer,
@@ -59,9 +49,8 @@ from smpart.runtime.activation_checkpointing import set_activation_checkpointing
 from smpart.runtime.boundary import register_carried_state
 from smpart.runtime.shares import ReplicaBatchSampler, replica_batch_size, replica_batch_sizes
 from smpart.tensor_parallel import record_split_shares, set_tensor_parallelism, tensor_parallelism
-
-# isort: split
-from smpart.planner import Cluster, DeviceType, Plan, Plans, plan
+from smpart.tracing import tracer as _tracer
+from smpart.tracing.tree import DataEdge, ModuleNode, ModuleTree
 
 __version__ = "0.1.0"
 
@@ -69,6 +58,9 @@ __version__ = "0.1.0"
 #: ``torch.distributed.tensor``) costs ~1.4 s, a third of ``import smpart``.
 _CHECKPOINT_API = ("save_checkpoint", "load_checkpoint", "load_weights")
 
+
+#: The views of a partition, imported at first use too (rich's console costs ~50 ms).
+_VIEWS = ("show", "to_html")
 
 #: Public modules, imported at first use too: ``smpart.nn.DistributedLinear``, ``smpart.amp.GradScaler``.
 _MODULES = ("nn", "amp")
@@ -79,13 +71,17 @@ def __getattr__(name: str):
         from smpart import checkpoint
 
         return getattr(checkpoint, name)
+    if name in _VIEWS:
+        from smpart import viz
+
+        return getattr(viz, name)
     if name in _MODULES:
         return importlib.import_module(f"smpart.{name}")
     raise AttributeError(f"module 'smpart' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_CHECKPOINT_API, *_MODULES})
+    return sorted({*globals(), *_CHECKPOINT_API, *_VIEWS, *_MODULES})
 
 
 @functools.wraps(_tracer.trace)
@@ -118,6 +114,8 @@ __all__ = [
     "TraceError",
     "trace",
     "partition",
+    "show",
+    "to_html",
     "DistributedModel",
     "DistributedOptimizer",
     "StepOutput",

@@ -28,8 +28,9 @@ from rich.console import Console
 from rich.text import Text
 
 from smpart.errors import ConfigError, SmpartError
-from smpart.partition.api import partition
-from smpart.partition.result import Partition
+from smpart.partitioning.api import partition
+from smpart.partitioning.result import Partition
+from smpart.viz import show, to_html
 
 #: Exit status for input the user can fix.
 EXIT_USAGE = 2
@@ -104,9 +105,7 @@ def _add_trace(sub: Any) -> None:
 
 
 def _cmd_trace(args: argparse.Namespace, console: Console) -> None:
-    from smpart.viz.terminal import show_tree
-
-    show_tree(trace_factory(args.model, device=args.device), console=console, max_depth=args.max_depth)
+    show(trace_factory(args.model, device=args.device), console=console, max_depth=args.max_depth)
 
 
 # ==================================================================== show
@@ -194,7 +193,7 @@ def _add_view_arguments(p: argparse.ArgumentParser) -> None:
 
 def _present_partition(part: Partition, args: argparse.Namespace, console: Console) -> None:
     """Every way a partition is shown from the command line (the terminal view, for now)."""
-    part.show(console=console, max_depth=args.max_depth)
+    show(part, console=console, max_depth=args.max_depth)
     if getattr(args, "html", None):
         _write_html(part, args.html, open_browser=args.open, console=console)
 
@@ -217,7 +216,7 @@ def _write_html(
 
     if model:
         part.meta.setdefault("model", model)
-    part.to_html(path, plans=plans)
+    to_html(part, path, plans=plans)
     console.print(f"explorer written to {path}")
     if open_browser:
         webbrowser.open(Path(path).resolve().as_uri())

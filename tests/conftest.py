@@ -18,7 +18,8 @@ if os.environ.get("CI"):
 
 @pytest.fixture(autouse=True)
 def _no_smpart_thread_left_behind():
-    """Every test ends with smpart shut down and none of its threads alive."""
+    """Every test ends with smpart shut down and none of its threads alive: the one fresh-runtime
+    fixture, so no test file needs its own."""
     yield
     import smpart
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from examples.models import gpt2
 from smpart.checkpoint import MARKER, CheckpointError, load_checkpoint, load_weights, save_checkpoint
-from tests.launch import CONTEXT
+from tests.launch import run_ranks, values
 
 
 def gpt(seed: int = 0, dropout: float = 0.0, **sizes):
@@ -374,10 +374,10 @@ STAGES = [["transformer.wte", "lm_head", "transformer.h.0"],
           ["transformer.wpe", "transformer.h.1", "transformer.ln_f"]]
 
 
-def _two_stage_worker(rank: int, world: int, store_path: str, out: str) -> None:
+def _two_stage_worker(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         out = Path(out)
         # save: each rank holds one stage after two steps on its own parameters
@@ -408,16 +408,13 @@ def _two_stage_worker(rank: int, world: int, store_path: str, out: str) -> None:
 def test_any_layout_loads_into_any_other(tmp_path):
     """Two processes, one pipeline stage each, save; a plain model reads it. A plain model's
     checkpoint is read back by the two stages, each asking for its own tensors."""
-    import torch.multiprocessing as mp
-
     plain = gpt(n_layer=2, seed=5)
     plain_optimizer = torch.optim.AdamW(plain.model.parameters(), lr=1e-2)
     for step in range(2):
         train_step(plain, plain_optimizer, step)
     save_checkpoint(tmp_path / "plain", plain.model, plain_optimizer)
 
-    mp.start_processes(_two_stage_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2,
-                       start_method=CONTEXT.get_start_method(), join=True)
+    values(run_ranks(_two_stage_worker, 2, 2, str(tmp_path)))
 
     # stages -> plain
     model = gpt(n_layer=2, seed=11).model
@@ -496,12 +493,12 @@ class ShardedModel:
         return self.module.state_dict()
 
 
-def _tensor_parallel_worker(rank: int, world: int, store_path: str, out: str) -> None:
+def _tensor_parallel_worker(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         out = Path(out)
         mesh = init_device_mesh("cpu", (world,))
@@ -537,7 +534,6 @@ def _tensor_parallel_worker(rank: int, world: int, store_path: str, out: str) ->
 
 
 def test_tensor_parallel_shards_save_and_load_with_their_global_shapes(tmp_path):
-    import torch.multiprocessing as mp
     from safetensors.torch import save_file
 
     full = nn.Linear(4, 6)
@@ -551,8 +547,7 @@ def test_tensor_parallel_shards_save_and_load_with_their_global_shapes(tmp_path)
     torch.save({"weight": plain.weight.detach(), "exp_avg": plain_optimizer.state[plain.weight]["exp_avg"]},
                tmp_path / "plain_state.pt")
 
-    mp.start_processes(_tensor_parallel_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2,
-                       start_method=CONTEXT.get_start_method(), join=True)
+    values(run_ranks(_tensor_parallel_worker, 2, 2, str(tmp_path)))
 
     reader = nn.Linear(4, 6)
     reader_optimizer = torch.optim.AdamW(reader.parameters(), lr=0.5)

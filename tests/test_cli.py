@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from smpart.cli import main
-from smpart.partition.result import Partition
+from smpart.partitioning.result import Partition
 
 FIXTURE = textwrap.dedent(
     """

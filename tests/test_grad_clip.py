@@ -12,7 +12,7 @@ from torch import nn
 from examples.models import gpt2
 from smpart.errors import SmpartError
 from smpart.runtime.grad_clip import clip_grad_norm_
-from tests.launch import CONTEXT
+from tests.launch import run_ranks, values
 
 
 def with_gradients(dtype: torch.dtype = torch.float64) -> nn.Module:
@@ -75,12 +75,12 @@ def test_no_gradients_and_bad_arguments():
 
 
 # ---------------------------------------------------------------------------- over ranks
-def _worker(rank: int, world: int, store: str, norm_type: float, queue) -> None:
+def _worker(rank: int, world: int, norm_type: float) -> tuple:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)  # every rank draws the same full gradients
         full = {name: torch.randn(shape, dtype=torch.float64) for name, shape in SHAPES.items()}
@@ -107,8 +107,8 @@ def _worker(rank: int, world: int, store: str, norm_type: float, queue) -> None:
         for p, name in zip(owned, stage, strict=True):
             p.grad = full[name].clone()
         pipeline_total = clip_grad_norm_(owned, 0.5, norm_type, groups=[dist.group.WORLD])
-        queue.put((rank, total.item(), {k: v.numpy() for k, v in clipped.items()}, pipeline_total.item(),
-                   {n: p.grad.numpy() for n, p in zip(stage, owned, strict=True)}))
+        return (rank, total.item(), {k: v.numpy() for k, v in clipped.items()}, pipeline_total.item(),
+                {n: p.grad.numpy() for n, p in zip(stage, owned, strict=True)})
     finally:
         dist.destroy_process_group()
 
@@ -117,9 +117,7 @@ SHAPES = {"column": (6, 4), "row": (4, 6), "bias": (4,), "norm": (4,)}
 
 
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
-def test_shards_replicas_and_stages_count_each_element_once(tmp_path, norm_type):
-    import torch.multiprocessing as mp
-
+def test_shards_replicas_and_stages_count_each_element_once(norm_type):
     torch.manual_seed(0)
     full = {name: torch.randn(shape, dtype=torch.float64) for name, shape in SHAPES.items()}
     reference = {name: nn.Parameter(torch.zeros_like(t)) for name, t in full.items()}
@@ -127,11 +125,7 @@ def test_shards_replicas_and_stages_count_each_element_once(tmp_path, norm_type)
         p.grad = full[name].clone()
     expected = torch.nn.utils.clip_grad_norm_(list(reference.values()), 0.5, norm_type).item()
 
-    queue = CONTEXT.Queue()
-    processes = mp.start_processes(_worker, args=(2, str(tmp_path / "store"), norm_type, queue), nprocs=2,
-                                   start_method=CONTEXT.get_start_method(), join=False)
-    results = [queue.get(timeout=120) for _ in range(2)]
-    processes.join(timeout=120)
+    results = values(run_ranks(_worker, 2, 2, norm_type))
     stage_grads = {}
     for _, total, clipped, pipeline_total, owned in results:
         assert total == pytest.approx(expected, rel=1e-12)

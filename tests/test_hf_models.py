@@ -92,12 +92,6 @@ CASES: dict[str, Case] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _fresh_runtime():
-    yield
-    smpart.shutdown()
-
-
 @smpart.step
 def train_step(model, x, labels):
     loss = model(x, labels=labels).loss

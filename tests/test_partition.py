@@ -10,10 +10,11 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from smpart.errors import PartitionError, SmpartError
-from smpart.partition.api import partition
-from smpart.partition.result import Partition
-from smpart.partition.segment import min_max_segments
+from smpart.partitioning.api import partition
+from smpart.partitioning.result import Partition
+from smpart.partitioning.segment import min_max_segments
 from smpart.tracing.tree import ModuleNode, ModuleTree
+from smpart.viz import show
 
 
 def random_tree(seed: int, size: int) -> ModuleTree:
@@ -223,7 +224,7 @@ def test_hundred_thousand_node_tree() -> None:
 def test_show_renders_stages_and_modules() -> None:
     part = partition(gpt_like(8), 4, memory_weight=0.5)
     console = Console(record=True, width=140)
-    part.show(console=console)
+    show(part, console=console)
     text = console.export_text()
     for needle in ("stage 0", "stage 3", "mlp", "wte, lm_head", "imbalance"):
         assert needle in text
@@ -233,7 +234,7 @@ def test_show_collapses_large_trees() -> None:
     blocks = [{"name": f"h.{i}", "children": [{"name": f"h.{i}.mlp", "flops": 5}]} for i in range(1000)]
     part = partition(ModuleTree.from_spec({"name": "", "children": blocks}), 4, memory_weight=0.0)
     console = Console(record=True, width=140)
-    part.show(console=console, max_depth=2)
+    show(part, console=console, max_depth=2)
     lines = console.export_text().splitlines()
     assert len(lines) < 150
     assert "h.999" in "\n".join(lines)

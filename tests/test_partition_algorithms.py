@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smpart.partition.dhondt import dhondt
-from smpart.partition.segment import min_max_segments
+from smpart.partitioning.dhondt import dhondt
+from smpart.partitioning.segment import min_max_segments
 
 costs_st = st.lists(st.integers(0, 20).map(float), min_size=1, max_size=8)
 
@@ -103,9 +103,12 @@ def test_dhondt_respects_the_highest_averages_rule(weights: list[float], seats: 
 
 
 def test_partition_package_imports_no_torch() -> None:
-    """The partitioner runs on plain numbers: nothing in smpart/partition may import torch."""
-    root = Path(__file__).resolve().parents[1] / "smpart" / "partition"
-    for path in sorted(root.glob("*.py")):
+    """The partitioner runs on plain numbers: nothing in smpart/partitioning may import torch, and
+    `Partition` is plain data: no view (smpart.viz) is imported from it."""
+    root = Path(__file__).resolve().parents[1] / "smpart" / "partitioning"
+    paths = sorted(root.glob("*.py"))
+    assert len(paths) > 5, f"no partitioner sources under {root}"
+    for path in paths:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 modules = [alias.name for alias in node.names]
@@ -115,7 +118,9 @@ def test_partition_package_imports_no_torch() -> None:
                 continue
             for module in modules:
                 assert module.split(".")[0] != "torch", f"{path.name} imports {module}"
-                assert not module.startswith(("smpart.tracing.tracer", "smpart.runtime")), path.name
+                assert not module.startswith(("smpart.tracing.tracer", "smpart.runtime", "smpart.viz")), (
+                    f"{path.name} imports {module}"
+                )
 
 
 def test_sides_of_the_bottleneck_are_balanced_too() -> None:

@@ -12,13 +12,14 @@ from rich.console import Console
 
 from smpart.devices import GIB, DeviceType
 from smpart.errors import PartitionError
-from smpart.partition.api import partition
-from smpart.partition.multiway import lpt, rebalance
-from smpart.partition.result import Partition
-from smpart.partition.reuse import place_loop_units
-from smpart.partition.segment import DoesNotFit, min_max_segments
-from smpart.partition.unequal import share_devices
+from smpart.partitioning.api import partition
+from smpart.partitioning.multiway import lpt, rebalance
+from smpart.partitioning.result import Partition
+from smpart.partitioning.reuse import place_loop_units
+from smpart.partitioning.segment import DoesNotFit, min_max_segments
+from smpart.partitioning.unequal import share_devices
 from smpart.tracing.tree import ModuleTree
+from smpart.viz import show
 from tests.test_partition import random_tree
 from tests.test_partition_algorithms import brute_force
 
@@ -94,7 +95,7 @@ def share_time(shares, costs, nbytes, splittable, speeds, preload, room) -> floa
 
 def all_sharings(n: int, m: int, costs):
     """Every sequence of (children run, device run) covering both, the heaviest child splitting."""
-    from smpart.partition.unequal import Share
+    from smpart.partitioning.unequal import Share
 
     def extend(i: int, d: int):
         if i == n and d == m:
@@ -252,7 +253,7 @@ def test_bad_devices_are_refused(devices, match: str) -> None:
 def test_show_names_each_stages_device() -> None:
     part = partition(flat_tree([10] * 8), 4, memory_weight=0.0, devices=["V100", "V100", "A100", "A100"])
     console = Console(record=True, width=160)
-    part.show(console=console)
+    show(part, console=console)
     text = console.export_text()
     for line in ("V100 (125 TFLOPS, 16 GiB)", "A100-80 (312 TFLOPS, 80 GiB)"):
         assert line in text

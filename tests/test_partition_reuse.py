@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smpart.partition.api import partition
-from smpart.partition.multiway import lpt, rebalance
-from smpart.partition.result import Partition
+from smpart.partitioning.api import partition
+from smpart.partitioning.multiway import lpt, rebalance
+from smpart.partitioning.result import Partition
 from smpart.tracing.tree import ModuleNode, ModuleTree
 
 # ---------------------------------------------------------------- an independent statement of the rule

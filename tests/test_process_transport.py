@@ -1,18 +1,16 @@
 """ProcessTransport between real processes: gloo on CPU, started by `tests.launch`'s fork server.
 
-Each test starts a few ranks (tcp:// rendezvous on a free port), runs one scenario function on
-every rank, and gets each rank's findings back through a queue; the assertions are made in the
-parent. Every process is joined (a process still alive at the end is killed and fails the test).
+Each test starts a few ranks (`tests.launch.run_ranks`: a free port, a hard deadline), runs one
+scenario function on every rank, and gets each rank's findings back; the assertions are made in
+the parent. Every process is joined (a process still alive at the end is killed and fails the test).
 """
 
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +21,7 @@ import torch.distributed as dist
 from smpart.distributed import wire
 from smpart.distributed.transport import PeerLost, ProcessTransport, pair_groups
 from smpart.errors import SmpartError
-from tests.launch import CONTEXT, free_port
+from tests.launch import run_ranks
 
 SENDERS_TO_ZERO = 80  # messages each of ranks 1 and 2 sends to rank 0 (who echoes every one)
 SIDEWAYS = range(0, SENDERS_TO_ZERO, 30)  # of those, the ones also sent between ranks 1 and 2
@@ -52,61 +50,35 @@ class _Dies(Exception):
     """Raised by a scenario to end its process with an uncaught exception, as a crash would."""
 
 
-def _bootstrap(scenario, rank: int, world: int, port: int, results, options: dict) -> None:
-    """Runs in each spawned process: join the group, run the scenario, report, leave cleanly."""
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        found = scenario(rank, world, **options)
-        results.put((rank, "ok", found))
-    except _Dies:
-        raise  # uncaught: the process ends with its transport's threads still blocked in gloo
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _in_group(rank: int, scenario, world: int, options: dict) -> Any:
+    """Runs in each process: join the group, run the scenario, leave cleanly. A `_Dies` leaves
+    uncaught: the process ends with its transport's threads still blocked in gloo."""
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    found = scenario(rank, world, **options)
+    dist.destroy_process_group()
+    return found
 
 
 def _spawn(
     scenario, world: int, *, reporting: set[int] | None = None, stray: set[int] = frozenset(), **options
 ) -> tuple[dict[int, Any], dict[int, int | None]]:
-    """Run ``scenario`` on ``world`` ranks; the ``reporting`` ranks (default: all) must report.
+    """Run ``scenario`` on ``world`` ranks (`run_ranks`); the ``reporting`` ranks (default: all)
+    must report.
 
     Ranks in ``stray`` (hung on purpose) are killed once the others reported. Returns
     ({rank: findings}, {rank: exit code}). A rank that reports an error fails the test.
     """
     reporting = set(range(world)) if reporting is None else reporting
-    ctx = CONTEXT
-    results = ctx.Queue()
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        args = (scenario, rank, world, port, results, options)
-        procs.append(ctx.Process(target=_bootstrap, args=args, daemon=True))
-    for proc in procs:
-        proc.start()
-    found: dict[int, Any] = {}
-    deadline = time.monotonic() + 60.0
-    try:
-        while set(found) < reporting:
-            try:
-                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"ranks {sorted(reporting - set(found))} did not report within 60 s")
-            if status == "error":
-                pytest.fail(f"rank {rank} failed:\n{value}")
-            found[rank] = value
-        for rank in stray:
-            procs[rank].kill()
-        for proc in procs:
-            proc.join(max(1.0, deadline - time.monotonic()))
-        hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
-        assert not hung, f"ranks {hung} did not exit"
-        return found, {rank: proc.exitcode for rank, proc in enumerate(procs)}
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+    results = run_ranks(_in_group, world, scenario, world, options, timeout_s=60.0, stray=stray)
+    for result in results:
+        if result.rank in reporting and result.error is not None:
+            pytest.fail(f"rank {result.rank} failed:\n{result.error}")
+    silent = sorted(r.rank for r in results if r.rank in reporting and not r.reported)
+    if silent:
+        pytest.fail(f"ranks {silent} did not report within 60 s")
+    hung = [r.rank for r in results if r.overstayed]
+    assert not hung, f"ranks {hung} did not exit"
+    return {r.rank: r.value for r in results if r.rank in reporting}, {r.rank: r.exitcode for r in results}
 
 
 def _payload(src: int, seq: int) -> dict:

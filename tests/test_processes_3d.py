@@ -465,7 +465,7 @@ def _reads_its_own_keys(rank, pretrained, checkpoint):
     it holds, and the loss in eval mode."""
     import transformers
 
-    import smpart.checkpoint as ckpt
+    import smpart.checkpoint.stores as ckpt
     import smpart.runtime.replicas as replicas
 
     read, received = [0], [0]

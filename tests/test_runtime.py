@@ -21,12 +21,6 @@ from examples.models import ZOO
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _fresh_runtime():
-    yield
-    smpart.shutdown()
-
-
 @smpart.step
 def train_step(model, example, args, kwargs, target):
     output = model(*args, **kwargs)

@@ -14,12 +14,6 @@ from smpart.errors import ConfigError, PipelineError, SmpartError
 from smpart.runtime.transport import ThreadTransport
 
 
-@pytest.fixture(autouse=True)
-def _fresh_runtime():
-    yield
-    smpart.shutdown()
-
-
 class Faulty(nn.Module):
     """Raises (or sleeps, or returns an opaque object) when ``mode`` says so."""
 

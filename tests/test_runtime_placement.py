@@ -16,12 +16,6 @@ from tests.test_runtime import lm_step
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _fresh_runtime():
-    yield
-    smpart.shutdown()
-
-
 class Inner(nn.Module):
     def __init__(self):
         super().__init__()

@@ -375,12 +375,6 @@ def test_the_switch_is_validated():
         smpart.init(pipeline_parallel_degree=1, promised_calls="yes")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_runtime():
-    yield
-    smpart.shutdown()
-
-
 class _Busy(torch.autograd.Function):
     """Records when the forward (after its input's data is here) and the backward run, and takes
     a while in each: two pieces of work of one stage must never overlap."""

@@ -38,12 +38,6 @@ def _reference_runtime(monkeypatch):
 
 
 
-@pytest.fixture(autouse=True)
-def _clean_runtime():
-    yield
-    smpart.shutdown()
-
-
 def _names(actions):
     return " ".join(map(str, actions))
 

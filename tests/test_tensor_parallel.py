@@ -8,8 +8,6 @@ the original to rounding (1e-10 for single layers, 1e-8 for whole models after t
 from __future__ import annotations
 
 import copy
-import pickle
-import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -18,10 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from tests.launch import CONTEXT, free_port
+from tests.launch import run_ranks, values
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -30,10 +27,11 @@ LAYER_TOL = 1e-10
 MODEL_TOL = 1e-8
 
 
-# ==================================================================== the spawned group
-def _worker(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+# ==================================================================== the group
+def _worker(rank: int, out: str) -> dict[str, object]:
+    """Every check on this rank, by name: what it returned, or the traceback it raised. ``out`` is
+    a directory all ranks share."""
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     results: dict[str, object] = {}
     try:
         for name, check in CHECKS.items():
@@ -45,27 +43,14 @@ def _worker(rank: int, port: int, out: str) -> None:
                 results[name] = {"error": traceback.format_exc()}
             dist.barrier()
     finally:
-        (Path(out) / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
         dist.destroy_process_group()
+    return results
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict[str, object]]:
     """Every rank's results, by check name; the group is joined (or killed) before returning."""
-    out = tmp_path_factory.mktemp("tp")
-    context = mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=False,
-                                 start_method=CONTEXT.get_start_method())
-    deadline = time.monotonic() + 150
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the tensor-parallel group did not finish within 150 s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
-            process.join()
-    return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(WORLD)]
+    return values(run_ranks(_worker, WORLD, str(tmp_path_factory.mktemp("tp")), timeout_s=150))
 
 
 def _result(results, name: str) -> dict:

@@ -1,25 +1,18 @@
 """The same user script, launched with ``python`` (threads) and with the real ``torchrun`` (one
 process per stage), learns, and trains to the same loss. Both run as subprocesses with a hard
-timeout."""
+timeout (`tests.launch.run_scripts`)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from examples.models import gpt2
-from tests.launch import free_port
+from tests.launch import free_port, run_scripts, torchrun_command
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 SCRIPT = ["-m", "examples.train_gpt", "--steps", "8"]
 
 
@@ -30,7 +23,7 @@ def _losses(output: str) -> tuple[float, float]:
 
 
 def _run(command: list[str]) -> tuple[float, float]:
-    done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    done = run_scripts([command], timeout_s=240)[0]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return _losses(done.stdout)
 
@@ -42,8 +35,7 @@ def _final_loss(command: list[str]) -> float:
 @pytest.mark.timeout(300)
 def test_the_example_script_learns_alike_on_threads_and_under_torchrun(tmp_path):
     first, threads = _run([sys.executable, *SCRIPT, "--stages", "2", "--save", str(tmp_path / "threads.pt")])
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", str(free_port()), *SCRIPT, "--save", str(tmp_path / "torchrun.pt")]
+    torchrun = torchrun_command([*SCRIPT, "--save", str(tmp_path / "torchrun.pt")], nproc_per_node=2)
     processes = _final_loss(torchrun)
     assert abs(threads - processes) <= 1e-5, (threads, processes)
     # Its sequences count up: 8 steps take the loss from log(64) = 4.16 to about 3.86.
@@ -58,33 +50,14 @@ def test_the_example_script_learns_alike_on_threads_and_under_torchrun(tmp_path)
     torch.optim.AdamW(model.parameters(), lr=3e-3).load_state_dict(saved["optimizer"])
 
 
-def _torchrun_node(node: int, port: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port,
-               *SCRIPT, "--stages", "4"]
-    return subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-
-
 @pytest.mark.timeout(300)
 def test_the_example_script_trains_alike_on_two_torchrun_nodes():
     """Two torchrun agents, as on two machines (both on this one): 2 processes each, one stage
     per process. The ranks of the second node are 2 and 3, their local ranks 0 and 1."""
-    port = str(free_port())
-    nodes = [_torchrun_node(node, port) for node in (0, 1)]
-    outputs = []
-    try:
-        for node in nodes:
-            outputs.append(node.communicate(timeout=240)[0])
-    finally:
-        for node in nodes:  # an agent stopped by SIGTERM stops its workers first
-            if node.poll() is None:
-                node.terminate()
-                try:
-                    node.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    node.kill()
-                    node.wait()
+    port = free_port()
+    nodes = run_scripts([torchrun_command([*SCRIPT, "--stages", "4"], nproc_per_node=2, port=port, nnodes=2,
+                                          node_rank=node) for node in (0, 1)], timeout_s=240)
+    outputs = [node.stdout + node.stderr for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(out[-3000:] for out in outputs)
     for node, output in enumerate(outputs):  # (rank, local rank, stage) of each process of the node
         found = sorted(tuple(map(int, seen)) for seen in
@@ -100,9 +73,8 @@ def test_the_first_rank_alone_saves_the_state_dict_after_the_others_scripts_ende
     """``if smpart.rank() == 0: torch.save(model.state_dict(), path)`` after the last step: the other
     rank's script ends meanwhile, and smpart's shutdown at its exit answers before it goes."""
     out = tmp_path / "state.pt"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port()), "-m", "tests.torchrun_save", str(out)]
-    done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=100)
+    done = run_scripts([torchrun_command(["-m", "tests.torchrun_save", str(out)], nproc_per_node=2)],
+                       timeout_s=100)[0]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     saved = torch.load(out)
     assert saved["keys"] == saved["expected_keys"]

@@ -346,7 +346,7 @@ def test_the_context_manager_marks_modules_created_inside_it():
     plan = plan_tensor_parallel(model, 2, only_marked=True, warn=False)
     assert plan.styles() == {"1.c_fc": "column", "1.c_proj": "row"}
     outside = nn.Linear(4, 4)
-    assert smpart.tensor_parallel.plan.tensor_parallelism_of(outside) is None
+    assert smpart.tensor_parallel.marks.tensor_parallelism_of(outside) is None
 
 
 # ==================================================================== the plan object and pricing

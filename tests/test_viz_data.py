@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from smpart.cli import main
 from smpart.errors import ConfigError, PartitionError
-from smpart.partition.api import partition
+from smpart.partitioning.api import partition
 from smpart.tracing.tree import ModuleTree
 from smpart.viz.html import (
     embed_json,
@@ -192,10 +192,10 @@ def test_plans_become_typed_columns_without_repeats() -> None:
 def test_partition_to_html_writes_the_file(tmp_path) -> None:
     part = partition(chain_tree(), 2)
     path = tmp_path / "part.html"
-    page = part.to_html(str(path), grid=False)
+    page = to_html(part, str(path), grid=False)
     assert path.read_text(encoding="utf-8") == page
     assert embedded(page)["base"]["s"] == 2
-    frame = part._repr_html_()
+    frame = page._repr_html_()
     assert frame.startswith("<iframe srcdoc=") and "<script" not in frame  # all escaped into srcdoc
 
 

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from examples.models import gpt2
-from smpart.partition.api import partition
-from smpart.partition.result import Partition
+from smpart.partitioning.api import partition
+from smpart.partitioning.result import Partition
 from smpart.tracing.tracer import trace
 from smpart.tracing.tree import ModuleTree
+from smpart.viz import to_html
 
 BROWSER_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -80,7 +81,7 @@ PLANS = [
 def gpt2_page(gpt2_tree: ModuleTree, tmp_path_factory: pytest.TempPathFactory) -> Path:
     part = partition(gpt2_tree, 4, memory_weight=0.8)
     path = tmp_path_factory.mktemp("viz") / "gpt2.html"
-    part.to_html(str(path), timeline=gpipe_timeline(STAGES, MICROBATCHES), plans=PLANS)
+    to_html(part, str(path), timeline=gpipe_timeline(STAGES, MICROBATCHES), plans=PLANS)
     return path
 
 
@@ -241,7 +242,7 @@ def test_device_capacity_is_drawn_and_overflow_shown(browser, gpt2_tree: ModuleT
     part.meta["device_memory"] = [1.0, 1e12]  # stage 0 cannot fit in one byte
     part.meta["device_names"] = ["tiny-gpu", "big-gpu"]
     path = tmp_path / "devices.html"
-    part.to_html(str(path), grid=False)
+    to_html(part, str(path), grid=False)
     with opened(browser, path) as page:
         assert page.locator("#stage-bars .cap").count() == 2
         assert page.locator("#stage-bars .stage-row[data-stage='0'] .val.over").count() == 1
@@ -256,7 +257,7 @@ def test_tensor_parallel_splits_are_badged_and_explained(browser, gpt2_tree: Mod
              "transformer.h.0.attn": "heads"}
     part.meta["tensor_parallel"] = {"degree": 2, "split": split}  # as a plan with tp = 2 records it
     path = tmp_path / "tp.html"
-    part.to_html(str(path), grid=False)
+    to_html(part, str(path), grid=False)
     with opened(browser, path) as page:
         search(page, "transformer.h.0.mlp.c_fc")
         assert row(page, "transformer.h.0.mlp.c_fc").locator(".tp-tag").text_content() == "tp×2 column"
@@ -281,7 +282,7 @@ def test_hostile_module_names_are_shown_as_text(browser, tmp_path: Path) -> None
         ],
     })
     path = tmp_path / "hostile.html"
-    Partition(tree, {"": 0, "a": 0, HOSTILE: 1, "b{{DATA}}": 1}, 2, 0.5).to_html(str(path), grid=False)
+    to_html(Partition(tree, {"": 0, "a": 0, HOSTILE: 1, "b{{DATA}}": 1}, 2, 0.5), str(path), grid=False)
     assert "<script>alert" not in path.read_text(encoding="utf-8")
     dialogs: list[str] = []
     with opened(browser, path, on_dialog=lambda d: (dialogs.append(d.message), d.dismiss())) as page:
@@ -303,7 +304,7 @@ def test_hostile_module_names_are_shown_as_text(browser, tmp_path: Path) -> None
 def test_degenerate_trees_still_load(browser, spec: dict, tmp_path: Path) -> None:
     tree = ModuleTree.from_spec(spec)
     path = tmp_path / "tiny.html"
-    Partition(tree, {n.name: 0 for n in tree.nodes()}, 1, 0.5).to_html(str(path), grid=False)
+    to_html(Partition(tree, {n.name: 0 for n in tree.nodes()}, 1, 0.5), str(path), grid=False)
     with opened(browser, path) as page:
         page.click("#size-by button[data-size='memory']")
         page.click("#stage-picker button[data-stages='1']")
@@ -314,7 +315,8 @@ def test_degenerate_trees_still_load(browser, spec: dict, tmp_path: Path) -> Non
 def test_notebook_repr_runs_the_explorer_in_an_iframe(browser, gpt2_tree: ModuleTree, tmp_path: Path) -> None:
     part = partition(gpt2_tree, 2, memory_weight=0.5)
     path = tmp_path / "notebook.html"
-    path.write_text(f"<!DOCTYPE html><html><body>{part._repr_html_()}</body></html>", encoding="utf-8")
+    inline = to_html(part)._repr_html_()
+    path.write_text(f"<!DOCTYPE html><html><body>{inline}</body></html>", encoding="utf-8")
     with opened(browser, path, wait_ready=False) as page:
         frame = page.frame_locator("iframe")
         frame.locator("body[data-ready='true']").wait_for(timeout=15_000)
@@ -334,7 +336,7 @@ def test_stages_on_unequal_devices_show_their_time_and_speed(browser, gpt2_tree,
     moved = [m for m in at_memory if m and at_memory[m] != plain[m]]
     assert moved, "the devices should change where some module goes"
     path = tmp_path / "unequal.html"
-    part.to_html(str(path), grid={"memory_weights": [0.0, 1.0], "stages": [2, 4]})
+    to_html(part, str(path), grid={"memory_weights": [0.0, 1.0], "stages": [2, 4]})
     with opened(browser, path) as page:
         rows = page.locator("#stage-bars .stage-row")
         assert rows.count() == 4

@@ -13,9 +13,10 @@ from rich.console import Console
 import smpart
 from examples.models import gpt2
 from smpart.cli import main
-from smpart.partition.api import partition
-from smpart.partition.result import Partition
+from smpart.partitioning.api import partition
+from smpart.partitioning.result import Partition
 from smpart.planner.cluster import Cluster
+from smpart.viz import show
 from smpart.viz.html import explorer_data
 from smpart.viz.split import describe, tensor_split
 
@@ -37,7 +38,7 @@ def tp_partition() -> Partition:
 
 def shown(part: Partition, **kwargs) -> str:
     console = Console(record=True, width=200)
-    part.show(console=console, **kwargs)
+    show(part, console=console, **kwargs)
     return console.export_text()
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from smpart.partition.result import Partition
+from smpart.partitioning.result import Partition
 from smpart.tracing.tree import (
     INPUT,
     SAVED,

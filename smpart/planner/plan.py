@@ -11,7 +11,7 @@ from typing import Any
 from smpart.config import Config
 from smpart.devices import device_spec
 from smpart.errors import PlanError
-from smpart.partition.result import Partition
+from smpart.partitioning.result import Partition
 from smpart.planner.cluster import Device
 from smpart.planner.cost import StageDevices
 from smpart.planner.layers import LayerSeq

@@ -22,6 +22,7 @@ from smpart.runtime.model import DistributedModel
 from smpart.runtime.optimizer import DistributedOptimizer
 from smpart.runtime.runtime import init, partition_of, shutdown
 from smpart.runtime.step_function import step
+from smpart.viz import show
 
 VOCAB = 128  # ASCII; anything else becomes "?"
 
@@ -84,11 +85,7 @@ def run_demo(steps: int = 300, batch_size: int = 16, microbatches: int = 4, seq_
                 optimizer.zero_grad()
                 rate = (i + 1) * batch_size / (time.perf_counter() - start)
                 progress.update(task, advance=1, loss=out.reduce_mean().item(), rate=rate)
-        partition = partition_of(model)
-        if hasattr(partition, "show"):
-            partition.show(console=console, max_depth=2)
-        else:
-            console.print(partition)
+        show(partition_of(model), console=console, max_depth=2)
         path = os.path.join(tempfile.gettempdir(), "smpart_demo_timeline.json")
         out.timeline.save(path)
         console.print(f"last step: {out.timeline!r}")

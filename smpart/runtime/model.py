@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from smpart.errors import SmpartError
-from smpart.partition.result import Partition
+from smpart.partitioning.result import Partition
 from smpart.runtime.calls import current_frame, holds_meta, only_inside_a_step
 from smpart.runtime.driver import Driver
 

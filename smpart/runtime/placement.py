@@ -2,7 +2,7 @@
 
 The runtime never computes a partition of its own: it traces the model on the first
 micro-batch's call (`smpart.tracing.tracer.trace`), hands the tree to the partitioner
-(`smpart.partition.api.partition`) with the configured ``memory_weight`` and pins, and applies the
+(`smpart.partitioning.api.partition`) with the configured ``memory_weight`` and pins, and applies the
 `Partition` it gets back. Applying means, for every module: move its *own* parameters and buffers
 to its stage's device in place (``p.data = p.data.to(device)``, so optimizers already holding
 the parameters keep working) and install a `StagedForward` that routes calls to its stage.
@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from smpart.config import Config
 from smpart.devices import DeviceType, as_device_type
 from smpart.errors import ConfigError, PartitionError
-from smpart.partition.result import Partition
+from smpart.partitioning.result import Partition
 from smpart.runtime.calls import install, uninstall
 from smpart.runtime.stage import StageServer
 from smpart.tensor_parallel.layers import is_dtensor
@@ -117,7 +117,7 @@ def _stages_under(stages: dict[str, int], name: str) -> set[int]:
 
 def _trace_and_partition(model: nn.Module, args: tuple, kwargs: dict, config: Config,
                          pins: dict[str, int]) -> Partition:
-    from smpart.partition.api import partition
+    from smpart.partitioning.api import partition
     from smpart.tracing.tracer import trace
 
     real = config.trace_device == "real"

@@ -23,7 +23,7 @@ from torch import nn
 
 from smpart.config import Config
 from smpart.errors import ConfigError, SmpartError
-from smpart.partition.result import Partition
+from smpart.partitioning.result import Partition
 from smpart.runtime.placement import choose_devices, make_partition, pins_for, place, unplace
 from smpart.runtime.program import steps, templates
 from smpart.runtime.stage import StageServer

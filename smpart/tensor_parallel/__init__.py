@@ -2,10 +2,12 @@
 
 The steps, each its own file:
 
-- `plan_tensor_parallel(model, degree, tree=None)` (`plan`) decides, per Linear / Conv1D /
-  Embedding, "column", "row", "vocab", "dim" or "none", pairing each column split with its
-  row partner so nothing is communicated between them; honours `set_tensor_parallelism` and
-  `tensor_parallelism`, and warns about what stays whole.
+- `plan_tensor_parallel(model, degree, tree=None)` (`plan`, running the `planner`) decides, per
+  Linear / Conv1D / Embedding, "column", "row", "vocab", "dim" or "none" (a `Decision`, in
+  `decisions`), pairing each column split with its row partner so nothing is communicated between
+  them; it knows attention classes through adapters (`attention`), reads a Hugging Face model's
+  own plan (`published`), checks an MLP's forward with torch.fx (`elementwise`), honours
+  `set_tensor_parallelism` and `tensor_parallelism` (`marks`), and warns about what stays whole.
 - `apply_tensor_parallel(model, plan, group)` (`swap`) replaces those modules in place by
   `DistributedLinear` / `DistributedEmbedding` (`layers`) holding this rank's shards, and
   localises the attention heads.
@@ -18,7 +20,9 @@ The collectives with autograd live in `collectives`; the random stream of each r
 split region holds (Megatron's second generator), in `streams`.
 """
 
+from smpart.tensor_parallel.attention import AttentionAdapter, AttentionLayout, register_attention_adapter
 from smpart.tensor_parallel.collectives import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from smpart.tensor_parallel.decisions import Decision, TensorParallelPlan, TensorParallelWarning
 from smpart.tensor_parallel.layers import (
     DistributedEmbedding,
     DistributedLinear,
@@ -35,17 +39,8 @@ from smpart.tensor_parallel.layers import (
     to_checkpoint_layout,
     tp_mesh,
 )
-from smpart.tensor_parallel.plan import (
-    AttentionAdapter,
-    AttentionLayout,
-    Decision,
-    TensorParallelPlan,
-    TensorParallelWarning,
-    plan_tensor_parallel,
-    register_attention_adapter,
-    set_tensor_parallelism,
-    tensor_parallelism,
-)
+from smpart.tensor_parallel.marks import set_tensor_parallelism, tensor_parallelism
+from smpart.tensor_parallel.plan import plan_tensor_parallel
 from smpart.tensor_parallel.pricing import SplitShare, record_split_shares, split_totals, splittable_fraction
 from smpart.tensor_parallel.swap import SwapReport, apply_tensor_parallel
 

@@ -29,17 +29,17 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from smpart.tensor_parallel.layers import COLUMN, DIM, ROW, VOCAB, TensorParallelError
-from smpart.tensor_parallel.plan import (
+from smpart.tensor_parallel.decisions import (
     NONE,
     Decision,
     TensorParallelPlan,
     TensorParallelWarning,
-    _in_features,
-    _kind,
-    _out_features,
-    plan_tensor_parallel,
+    in_features,
+    module_kind,
+    out_features,
 )
+from smpart.tensor_parallel.layers import COLUMN, DIM, ROW, VOCAB, TensorParallelError
+from smpart.tensor_parallel.plan import plan_tensor_parallel
 from smpart.tracing.tree import ModuleTree, SplitShare
 
 #: The degrees `record_split_shares` prices by default: tensor parallelism stays inside a node.
@@ -125,14 +125,14 @@ def splittable_fraction(plan: TensorParallelPlan, tree: ModuleTree | None = None
 
 def _is_matmul(model: nn.Module | None, name: str) -> bool:
     """Whether module ``name`` does a matmul (a Linear or Conv1D; unknown without the model: yes)."""
-    return model is None or _kind(model.get_submodule(name)) == "linear"
+    return model is None or module_kind(model.get_submodule(name)) == "linear"
 
 
 def _output_width(module: nn.Module) -> int:
     """Features per token a module returns: a merged node's outputs are shared out by these."""
     if isinstance(module, nn.Embedding):
         return module.embedding_dim
-    return _out_features(module) if _kind(module) == "linear" else 1
+    return out_features(module) if module_kind(module) == "linear" else 1
 
 
 def _weighted(values: list[float], weights: list[float]) -> float:
@@ -151,7 +151,7 @@ def _collective_bytes(decision: Decision, module: nn.Module, output_bytes: float
         return output_bytes, 0.0
     if decision.style == DIM:
         return output_bytes / 2, 0.0
-    input_bytes = output_bytes * _in_features(module) / max(_out_features(module), 1)
+    input_bytes = output_bytes * in_features(module) / max(out_features(module), 1)
     if decision.style == ROW:  # partial sums reduced; a whole input is split (its gradient gathered)
         return output_bytes, 0.0 if decision.input_is_parallel else input_bytes / 2
     # column: every rank needs the whole input, so its gradient is all-reduced

@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from smpart.tensor_parallel import heads
+from smpart.tensor_parallel.attention import PublishedAttention, adapter_named
+from smpart.tensor_parallel.decisions import TensorParallelPlan, module_kind
 from smpart.tensor_parallel.layers import (
     COLUMN,
     DIM,
@@ -32,8 +34,6 @@ from smpart.tensor_parallel.layers import (
     TensorParallelError,
     tp_mesh,
 )
-from smpart.tensor_parallel.plan import TensorParallelPlan, _kind, adapter_named
-from smpart.tensor_parallel.plan import _PublishedAttention as _Published
 
 
 @dataclass
@@ -102,7 +102,7 @@ def _mesh(model: nn.Module, group: Any) -> DeviceMesh:
 
 def _planned_module(modules: dict[str, nn.Module], name: str, plan: TensorParallelPlan) -> nn.Module:
     module = modules.get(name)
-    if module is None or _kind(module) not in ("linear", "embedding"):
+    if module is None or module_kind(module) not in ("linear", "embedding"):
         found = "no such module" if module is None else type(module).__name__
         raise TensorParallelError(f"the plan splits {name!r} but this model has {found} there: was the plan "
                                   f"made for another model ({plan.model_class}), or applied twice?")
@@ -138,7 +138,7 @@ def _localize(module: nn.Module, plan: TensorParallelPlan, name: str,
         return heads.localize(module, split.heads, plan.degree, group)
     adapter = adapter_named(split.adapter)
     if adapter is None:
-        if split.adapter != _Published.name:
+        if split.adapter != PublishedAttention.name:
             raise TensorParallelError(f"{name}: the plan split its heads with the {split.adapter!r} adapter, "
                                       "which is no longer registered")
         return {}

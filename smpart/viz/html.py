@@ -15,7 +15,8 @@ Safety: module names come from user code. They travel only inside a
 ``<script type="application/json">`` block with ``<``, ``>`` and ``&`` escaped as ``\\u003c``
 etc., and the page writes them with ``textContent`` or onto a canvas, never as markup.
 
-Duck-typed inputs, so this module depends on no other room's classes:
+Inputs besides the `Partition` are duck-typed, so the page depends on no class of the runtime or
+the planner:
 
 - ``timeline``: an object with ``to_dict()`` (returning ``{"events": [...]}`` or a list) or an
   ``events`` attribute, or a plain list; each event a dict or object with ``stage``,
@@ -46,14 +47,13 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from smpart.errors import ConfigError, PartitionError, SmpartError
+from smpart.partitioning.api import partition as cut
+from smpart.partitioning.result import Partition
 from smpart.tracing.tree import ModuleTree
 from smpart.viz.split import describe, tensor_split
-
-if TYPE_CHECKING:
-    from smpart.partition.result import Partition
 
 DEFAULT_WEIGHTS = tuple(round(0.1 * i, 1) for i in range(11))
 DEFAULT_STAGES = tuple(range(1, 9))
@@ -66,6 +66,13 @@ _PLACEHOLDER = re.compile(r"\{\{(TITLE|CSS|JS|DATA)\}\}")
 
 
 # ==================================================================== public entry points
+class Page(str):
+    """The explorer page's HTML text; a notebook that shows one shows the explorer inline."""
+
+    def _repr_html_(self) -> str:
+        return notebook_frame(self)
+
+
 def to_html(
     partition: Partition,
     path: str | None = None,
@@ -75,20 +82,26 @@ def to_html(
     plans: Any = None,
     grid: Any = None,
     title: str | None = None,
-) -> str:
-    """The explorer page for ``partition`` as one HTML string; also written to ``path`` when given."""
+) -> Page:
+    """The explorer page for ``partition`` as one HTML string; also written to ``path`` when given.
+
+    ``timeline`` (a step's), ``plans`` (the planner's) and ``grid`` (which partitions to precompute
+    for the memory-weight slider) are optional: see the module docstring. In Jupyter the page
+    shows inline: ``smpart.to_html(part)`` as a cell's last line.
+    """
+    if not isinstance(partition, Partition):
+        raise ConfigError(f"to_html() draws a Partition (smpart.partition's), got {type(partition).__name__}")
     data = explorer_data(partition, tree=tree, timeline=timeline, plans=plans, grid=grid, title=title)
-    page = render_page(data)
+    page = Page(render_page(data))
     if path is not None:
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(page)
     return page
 
 
-def notebook_html(partition: Partition, *, height_px: int = 760, **kwargs: Any) -> str:
+def notebook_frame(page: str, *, height_px: int = 760) -> str:
     """The explorer inside an ``<iframe srcdoc>``: notebooks sanitise or skip inline scripts in
     plain HTML output, but a srcdoc frame is its own document, so the page's script runs."""
-    page = to_html(partition, **kwargs)
     return (
         f'<iframe srcdoc="{html.escape(page, quote=True)}" '
         f'style="width:100%;height:{height_px}px;border:1px solid #e2e8f0;border-radius:8px" '
@@ -249,10 +262,6 @@ def _grid(tree: ModuleTree, order: list[str], grid: Any, *, pins: Mapping[str, i
     if ready:
         parts = [_encode_partition(p, order) for p in ready]
         return {**_axes(parts), "parts": parts, "note": None}
-    try:
-        from smpart.partition.api import partition as cut
-    except ImportError:
-        return {"weights": [], "stages": [], "parts": parts, "note": "the partitioner is not installed"}
     skipped = []
     for weight, stages in points:
         if stages == 1:  # nothing to decide: spare the partitioner the call

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from smpart.partition.result import Partition
+    from smpart.partitioning.result import Partition
 
 #: What each style does to a module's weight on ``d`` ranks (``{d}`` is filled in).
 _MEANINGS = {

@@ -25,7 +25,8 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from smpart.partition.result import Partition
+from smpart.errors import ConfigError
+from smpart.partitioning.result import Partition
 from smpart.tracing.tree import ModuleNode, ModuleTree
 from smpart.viz.split import TensorSplit, tensor_split
 
@@ -38,6 +39,20 @@ SPLIT_STYLE = "bold dark_orange"
 
 def stage_colour(stage: int | None) -> str:
     return "white" if stage is None else STAGE_COLOURS[stage % len(STAGE_COLOURS)]
+
+
+def show(item: Partition | ModuleTree, console: Console | None = None, max_depth: int | None = None) -> None:
+    """Print a `Partition` (the stage-coloured tree, the per-stage table) or a costed `ModuleTree`.
+
+    ``console`` is a ``rich.console.Console`` (a fresh one by default); ``max_depth`` stops
+    expanding the tree below that depth.
+    """
+    if isinstance(item, Partition):
+        show_partition(item, console, max_depth)
+    elif isinstance(item, ModuleTree):
+        show_tree(item, console, max_depth)
+    else:
+        raise ConfigError(f"show() prints a Partition or a ModuleTree, got {type(item).__name__}")
 
 
 def show_partition(part: Partition, console: Console | None = None, max_depth: int | None = None) -> None:

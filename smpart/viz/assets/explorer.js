@@ -7,6 +7,10 @@
  *
  * Module names come from user code: they are only ever written with textContent, as attribute
  * values, or onto a canvas, never parsed as HTML.
+ *
+ * Why one file of ~1,300 lines: it is inlined whole into one offline page (no build step, no
+ * module loader), and its views share one closure's state (the data, the selected partition and
+ * module); each view is a section below, marked by a ==== rule.
  */
 (function () {
   'use strict';

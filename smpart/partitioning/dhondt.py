@@ -9,7 +9,7 @@ Ties go to the earlier segment, so the allocation is a pure function of its inpu
 segments in call order that also means earlier pipeline stages win ties.
 
 Seats of unequal speed are not interchangeable, so on such devices the tree walk makes this
-choice together with the segmentation's instead (`smpart.partition.unequal`).
+choice together with the segmentation's instead (`smpart.partitioning.unequal`).
 """
 
 from __future__ import annotations

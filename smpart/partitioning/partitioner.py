@@ -27,7 +27,7 @@ runs its units again and again, so once they span two stages the flow loops back
 repeat whatever their order: contiguity buys nothing there. Its units, the *loop units*, may go
 to any stage; the other units, the *ordered units*, stay contiguous in call order. The
 *reuse-aware* candidate searches the loop units' stages with the ordered units cut exactly
-around them (`smpart.partition.reuse`). It is only tried when the model has a reused subtree
+around them (`smpart.partitioning.reuse`). It is only tried when the model has a reused subtree
 with two or more units; a plain sequential model keeps its contiguous stages.
 
 The answers are scored, and the best one is kept: first a partition that leaves a stage empty
@@ -47,12 +47,12 @@ its device's speed, the slowest stage's time is what every candidate minimises a
 compares, and a stage's bytes (the tree's training memory of its nodes) must fit its device. The
 leaf sequence is cut exactly under both (`min_max_segments` with ``speeds`` and ``capacity``). The
 tree walk keeps its shape, with seats weighted by speed: at each node the segmentation and
-D'Hondt become one exact choice (`smpart.partition.unequal`): runs of children on one device
+D'Hondt become one exact choice (`smpart.partitioning.unequal`): runs of children on one device
 each, or one child on a run of several devices, which the walk visits again with them; the
 node's own load stays on its first device, and the choice counts what is on each device already
 (its time, and its bytes against the capacity). A candidate that overflows a device loses to one
 that does not (after the two flaws above); stages keep their device, so they are not renumbered.
-The reuse-aware search weighs its stages by speed (`smpart.partition.reuse`), not by memory: the
+The reuse-aware search weighs its stages by speed (`smpart.partitioning.reuse`), not by memory: the
 score says when its answer overflows. Between candidates equally slow at their slowest stage
 (within rounding), the one whose other stages are faster wins (their times compared from the
 slowest down), so a stage forced to be the bottleneck does not leave the others unbalanced.
@@ -67,10 +67,10 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 
 from smpart.errors import PartitionError
-from smpart.partition.dhondt import dhondt
-from smpart.partition.reuse import loop_unit_names, place_loop_units
-from smpart.partition.segment import DoesNotFit, min_max_segments
-from smpart.partition.unequal import Share, share_devices
+from smpart.partitioning.dhondt import dhondt
+from smpart.partitioning.reuse import loop_unit_names, place_loop_units
+from smpart.partitioning.segment import DoesNotFit, min_max_segments
+from smpart.partitioning.unequal import Share, share_devices
 from smpart.tracing.tree import ModuleNode, ModuleTree
 
 #: A later candidate must beat an earlier one by more than this (relative) to be chosen, so that
@@ -269,7 +269,7 @@ def _cut_items(
 
 
 class _OnDevices:
-    """The tree walk's cuts on stages of unequal speed and memory (`smpart.partition.unequal`), and
+    """The tree walk's cuts on stages of unequal speed and memory (`smpart.partitioning.unequal`), and
     the load and bytes each stage holds so far (pins included)."""
 
     def __init__(self, tree: ModuleTree, hw: Hardware, fixed: dict[str, int],
@@ -413,7 +413,7 @@ def _reuse_aware(
     *,
     renumber: bool,
 ) -> tuple[dict[str, int], bool]:
-    """Loop units on any stage, ordered units cut contiguously around them (`smpart.partition.reuse`).
+    """Loop units on any stage, ordered units cut contiguously around them (`smpart.partitioning.reuse`).
 
     ``contiguous`` (the leaf-sequence answer) seeds the search. Returns the stages and whether
     the search proved them optimal under the rule.

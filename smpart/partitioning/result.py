@@ -1,8 +1,9 @@
 """`Partition`: which pipeline stage every module of a model lives on.
 
 The partitioner produces one, the runtime consumes it as is (it never recomputes a partition),
-the planner and the explorer report on it. It keeps the `ModuleTree` it was cut from so that
-per-stage figures and views need nothing else; both survive a JSON round trip.
+the planner and the views report on it. It is plain data: it keeps the `ModuleTree` it was cut
+from so that per-stage figures need nothing else, survives a JSON round trip, and draws nothing
+itself; the views take one (`smpart.show(part)`, `smpart.to_html(part, path)`, in `smpart.viz`).
 """
 
 from __future__ import annotations
@@ -154,40 +155,6 @@ class Partition:
     def cut_bytes(self) -> int:
         """Activation bytes per step that cross a stage boundary (from the trace's data flow)."""
         return self.tree.cut_bytes(self.node_stage)
-
-    # ---------------------------------------------------------------- views
-    def show(self, console: Any = None, max_depth: int | None = None) -> None:
-        """Print the module tree coloured by stage and the per-stage table (needs rich).
-
-        ``console`` is a ``rich.console.Console`` (a fresh one by default); ``max_depth`` stops
-        expanding the tree below that depth.
-        """
-        from smpart.viz.terminal import show_partition  # the view is optional for the data
-
-        show_partition(self, console=console, max_depth=max_depth)
-
-    def to_html(
-        self,
-        path: str | None = None,
-        tree: ModuleTree | None = None,
-        timeline: Any = None,
-        plans: Any = None,
-        grid: Any = None,
-    ) -> str:
-        """The interactive explorer as one self-contained HTML page; also written to ``path``.
-
-        ``timeline`` (a step's), ``plans`` (the planner's) and ``grid`` (which partitions to
-        precompute for the memory-weight slider) are optional: see `smpart.viz.html`.
-        """
-        from smpart.viz.html import to_html  # the view is optional for the data
-
-        return to_html(self, path, tree=tree, timeline=timeline, plans=plans, grid=grid)
-
-    def _repr_html_(self) -> str:
-        """Jupyter shows the same explorer inline (in an iframe, so its script runs)."""
-        from smpart.viz.html import notebook_html
-
-        return notebook_html(self)
 
     # ---------------------------------------------------------------- json
     def to_dict(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ scale to many items:
   and so does the sum of squared loads, so the search cannot cycle and ends in a state where no
   single move or swap helps the heaviest bin.
 
-The partitioner uses this for the units of reused subtrees (`smpart.partition.reuse`), whose
+The partitioner uses this for the units of reused subtrees (`smpart.partitioning.reuse`), whose
 order does not constrain their stages; the exact branch-and-bound there takes over when there
 are few of them.
 

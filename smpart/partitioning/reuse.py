@@ -14,7 +14,7 @@ subtree of a node with ``call_count > 1`` that holds at least two units. Loop un
 any stage. All other units, the *ordered units*, keep non-decreasing stages in call order. A
 reused subtree with a single unit (a tied embedding, called first and last) is an ordinary
 ordered unit, placed by its first call as before. Every other node rides with its first unit
-below it, as in the leaf sequence (`smpart.partition.partitioner`).
+below it, as in the leaf sequence (`smpart.partitioning.partitioner`).
 
 **The search.** Fix the loop units' stages, and the best cut of the ordered units is the min-max
 segmentation DP with the loop units' load preloaded on their stages (a stage holding a loop unit
@@ -23,7 +23,7 @@ may take no ordered unit). So only the loop units are searched:
 1. Start from the stages the contiguous leaf-sequence cut gave them (so the answer is never
    worse than that cut), and from a packing onto the ordered units' own best cut. Alternate:
    pack the loop units onto the loads the ordered cut leaves (LPT, then moves and swaps;
-   `smpart.partition.multiway`), recut the ordered units around them, until nothing improves.
+   `smpart.partitioning.multiway`), recut the ordered units around them, until nothing improves.
 2. With few loop units, branch and bound over their stages: heaviest unit first, the lightest
    stage tried first, a branch dropped once a stage reaches the best maximum found so far or
    the rest can no longer fit under it, units of equal cost on non-decreasing stages (swapping
@@ -45,8 +45,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from smpart.partition.multiway import lpt, rebalance
-from smpart.partition.segment import Segmentation, min_max_segments
+from smpart.partitioning.multiway import lpt, rebalance
+from smpart.partitioning.segment import Segmentation, min_max_segments
 from smpart.tracing.tree import ModuleNode
 
 #: Branch and bound runs when there are at most this many loop units.

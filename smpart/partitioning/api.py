@@ -1,7 +1,7 @@
 """`partition(tree, num_stages, memory_weight, pin, devices)`: the public entry point of the partitioner.
 
 It checks the request, turns pins on module names into pins on nodes, weighs every node by
-``(1 - w)·compute + w·memory`` and hands the rest to `smpart.partition.partitioner`. The answer is
+``(1 - w)·compute + w·memory`` and hands the rest to `smpart.partitioning.partitioner`. The answer is
 a pure function of its input: the same tree and arguments always give the same `Partition`.
 
 ``devices`` (one per stage, in pipeline order: `DeviceType`s or preset names) makes the stages
@@ -24,8 +24,8 @@ from typing import Any
 
 from smpart.devices import DeviceType, as_device_type, device_spec
 from smpart.errors import ConfigError, PartitionError
-from smpart.partition.partitioner import Hardware, partition_tree
-from smpart.partition.result import Partition
+from smpart.partitioning.partitioner import Hardware, partition_tree
+from smpart.partitioning.result import Partition
 from smpart.tracing.tree import ModuleTree
 
 ALGORITHM = "smp-tree"

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import smpart  # noqa: E402
 from examples.models import gpt2  # noqa: E402
 from smpart.runtime.runtime import current_runtime  # noqa: E402
-from smpart.runtime.transport import payload_bytes  # noqa: E402
+from smpart.runtime.wire.transport import payload_bytes  # noqa: E402
 
 BATCH, MICROBATCHES = 8, 4
 

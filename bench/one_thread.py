@@ -39,8 +39,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from smpart.distributed.transport import ProcessTransport  # noqa: E402
 from smpart.runtime.schedule import FORWARD, schedule_named  # noqa: E402
+from smpart.runtime.wire.processes import ProcessTransport  # noqa: E402
 
 ACTIVATION, LOGITS, LOSS_GRADIENT, INPUT_GRADIENT = "activation", "logits", "loss gradient", "input gradient"
 WAIT_S = 60.0

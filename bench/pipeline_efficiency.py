@@ -92,7 +92,7 @@ def measure(schedule: str, stages: int, microbatches: int, seconds: float, steps
             programs: bool = True, where: str = "threads") -> tuple[list[float], list[float], str, float]:
     """Step times and bubble fractions of ``steps`` steps, where the last step's timeline was
     saved, and the CPU seconds per step of this process (all its threads). ``stages`` warm-up
-    steps go first: the first places the model, and holding (`smpart.runtime.gradients`) learns
+    steps go first: the first places the model, and holding (`smpart.runtime.reference.gradients`) learns
     its counts from the step before, so the first steps of ``stages`` stages repeat backward
     work (`bench/backward_work.py`)."""
     smpart.init(pipeline_parallel_degree=stages, microbatches=microbatches, pipeline=schedule,

@@ -84,13 +84,13 @@ class Config:
     #: False: every output crosses back to its caller as data. ``SMPART_HANDLES=0`` sets the default.
     output_handles: bool = field(default_factory=lambda: os.environ.get("SMPART_HANDLES", "1") != "0")
     #: The transport's speed path: a message for an idle stage server is handled on the thread that
-    #: delivers it, not handed to the server's own thread (`smpart.runtime.transport`). Only speed
+    #: delivers it, not handed to the server's own thread (`smpart.runtime.wire.transport`). Only speed
     #: changes. ``SMPART_DIRECT_DISPATCH=0`` sets the default.
     direct_dispatch: bool = field(
         default_factory=lambda: os.environ.get("SMPART_DIRECT_DISPATCH", "1") != "0")
     #: A stage calling another stage's module goes on without waiting for the answer when it can
-    #: predict it (`smpart.runtime.promises`); needs ``output_handles``. Only speed changes, unless a
-    #: module's output shapes depend on its data (then one step fails, naming it).
+    #: predict it (`smpart.runtime.reference.promises`); needs ``output_handles``. Only speed
+    #: changes, unless a module's output shapes depend on its data (then one step fails, naming it).
     #: ``SMPART_PROMISES=0`` sets the default.
     promised_calls: bool = field(default_factory=lambda: os.environ.get("SMPART_PROMISES", "1") != "0")
     #: From a model's second step on, every rank runs its part of the step as a fixed list of

@@ -20,9 +20,9 @@ from torch import nn
 
 import smpart
 from examples.models import ZOO
+from smpart.runtime.reference.stage import run_job
 from smpart.runtime.runtime import current_runtime
-from smpart.runtime.stage import run_job
-from smpart.runtime.transport import Endpoint, ThreadTransport
+from smpart.runtime.wire.transport import Endpoint, ThreadTransport
 from tests.launch import run_ranks
 from tests.test_processes import _assert_report, _train_zoo
 from tests.test_runtime import train_and_compare

@@ -18,8 +18,8 @@ import torch
 import smpart
 from examples.models import ZOO
 from smpart.errors import SmpartError
-from smpart.runtime.boundary import Route
-from smpart.runtime.handles import Handle, HandleRef
+from smpart.runtime.reference.boundary import Route
+from smpart.runtime.reference.handles import Handle, HandleRef
 from tests.launch import run_ranks, values
 from tests.test_runtime import TOL, assert_same_grads, reference_step, train_step
 
@@ -175,8 +175,8 @@ def _ping_pong_step(model, x):
 @pytest.mark.parametrize(("width", "fetches"), [(8, 0), (512, 3 * MICROBATCHES)])
 def test_a_small_output_comes_with_its_handle_and_needs_no_fetch(width, fetches):
     # 2 rows x 8 float64 = 128 B per output: under SMALL_BYTES; 2 x 512 x 8 = 8 KiB: over it.
-    from smpart.runtime.messages import Fetch
     from smpart.runtime.runtime import current_runtime
+    from smpart.runtime.wire.messages import Fetch
 
     reference = _PingPong(width)
     smpart.init(pipeline_parallel_degree=2, microbatches=MICROBATCHES, pin={"": 0, "local": 0, "remote": 1})

@@ -152,8 +152,8 @@ def test_the_blocked_part_is_what_lies_upstream_of_calls_still_expecting_a_messa
     the parameter ``w`` (a leaf) blocks nothing."""
     from torch.autograd.graph import get_gradient_edge
 
-    from smpart.runtime.gradients import Holding
-    from smpart.runtime.messages import Gradients
+    from smpart.runtime.reference.gradients import Holding
+    from smpart.runtime.wire.messages import Gradients
 
     w = torch.ones(2, requires_grad=True)
     b = (w * 2).exp()
@@ -182,7 +182,7 @@ def test_holding_walks_each_kept_calls_graph_once_however_many_calls_a_stage_mak
     for every gradient message: O(n²) made `bench/overhead.py`'s thread round trip 3x slower."""
     from bench.overhead import PINS, PingPong
     from bench.overhead import train_step as ping_pong_step
-    from smpart.runtime import gradients
+    from smpart.runtime.reference import gradients
 
     walked: list[int] = []
     upstream = gradients._upstream

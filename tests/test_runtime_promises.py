@@ -19,9 +19,9 @@ from torch import nn
 
 import smpart
 from smpart.errors import PipelineError
-from smpart.runtime import stage as stage_module
-from smpart.runtime.messages import Request, Response
-from smpart.runtime.promises import UnpredictableOutput
+from smpart.runtime.reference import stage as stage_module
+from smpart.runtime.reference.promises import UnpredictableOutput
+from smpart.runtime.wire.messages import Request, Response
 from tests.launch import run_ranks, values
 
 
@@ -308,7 +308,7 @@ _threads: dict[tuple[int, int], set[int]] = {}  # (step, micro-batch) -> threads
 
 class ThreadRecordingBlock(Block):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from smpart.runtime.calls import current_frame
+        from smpart.runtime.reference.calls import current_frame
 
         frame = current_frame()
         if frame is not None:  # None: tracing, before the first step runs
@@ -341,8 +341,8 @@ def test_a_batch_that_arrives_before_its_step_begins_still_runs_on_one_thread(mo
     """Under load the root's `Batch` can reach stage 1 before stage 1 has begun the step: it is
     kept until then and runs whole, not as a call each (a CI run of the test above failed so). Here
     stage 1's `BeginStep` of the third step is held back until that step's batch has arrived."""
-    from smpart.runtime.messages import STAGE, BeginStep
-    from smpart.runtime.transport import ThreadTransport
+    from smpart.runtime.wire.messages import STAGE, BeginStep
+    from smpart.runtime.wire.transport import ThreadTransport
 
     send, held, order = ThreadTransport.send, [], []
 

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 import smpart
-from smpart.runtime.messages import STAGE, Batch, ForwardDone, Gradients
+from smpart.runtime.reference.scheduler import NEW, SEGMENT, Claim, StageScheduler
 from smpart.runtime.runtime import current_runtime
 from smpart.runtime.schedule import FORWARD, Action, schedule_named
-from smpart.runtime.scheduler import NEW, SEGMENT, Claim, StageScheduler
+from smpart.runtime.wire.messages import STAGE, Batch, ForwardDone, Gradients
 
 
 @pytest.fixture(autouse=True)

@@ -42,10 +42,11 @@ import torch
 from torch import nn
 
 from smpart.errors import PipelineError, SmpartError
-from smpart.runtime import boundary, carried, handles, promises
-from smpart.runtime.ambient import Ambient, capture
-from smpart.runtime.calls import Frame, as_pipeline_error, running
-from smpart.runtime.gradients import (
+from smpart.runtime.ambient import Ambient, capture, compute_thread
+from smpart.runtime.program import templates
+from smpart.runtime.reference import boundary, carried, handles, promises
+from smpart.runtime.reference.calls import Frame, as_pipeline_error, running
+from smpart.runtime.reference.gradients import (
     CallRecords,
     Holding,
     Outbox,
@@ -55,7 +56,17 @@ from smpart.runtime.gradients import (
     module_of,
     restore_requires_grad,
 )
-from smpart.runtime.messages import (
+from smpart.runtime.reference.scheduler import (
+    NEW,
+    RESUME,
+    SEGMENT,
+    Cancelled,
+    Claim,
+    StageScheduler,
+    TimedOut,
+)
+from smpart.runtime.schedule import BACKWARD, FORWARD, Action, schedule_named
+from smpart.runtime.wire.messages import (
     STAGE,
     Abort,
     Address,
@@ -76,11 +87,7 @@ from smpart.runtime.messages import (
     StageReport,
     driver_endpoint,
 )
-from smpart.runtime.program import templates
-from smpart.runtime.schedule import BACKWARD, FORWARD, Action, schedule_named
-from smpart.runtime.scheduler import NEW, RESUME, SEGMENT, Cancelled, Claim, StageScheduler, TimedOut
-from smpart.runtime.threads import compute_thread
-from smpart.runtime.transport import Transport
+from smpart.runtime.wire.transport import Transport
 from smpart.tensor_parallel import streams
 
 POLL_S = 0.05

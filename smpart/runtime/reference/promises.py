@@ -64,9 +64,9 @@ from typing import Any
 import torch
 
 from smpart.errors import PipelineError
-from smpart.runtime import handles
-from smpart.runtime.boundary import Route, walk
-from smpart.runtime.handles import HandleRef
+from smpart.runtime.reference import handles
+from smpart.runtime.reference.boundary import Route, walk
+from smpart.runtime.reference.handles import HandleRef
 
 _PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, type(None))
 

@@ -53,8 +53,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from smpart.errors import SmpartError
-from smpart.runtime import boundary
-from smpart.runtime.boundary import GradPost, Route
+from smpart.runtime.reference import boundary
+from smpart.runtime.reference.boundary import GradPost, Route
+from smpart.runtime.reference.calls import current_frame
 
 #: An output tensor of at most this many bytes travels with its handle (see the module docstring).
 SMALL_BYTES = 1024
@@ -164,8 +165,6 @@ class Handle(torch.Tensor):
         if not self._used:
             with self._lock:
                 if not self._used:
-                    from smpart.runtime.calls import current_frame
-
                     frame = current_frame()
                     if frame is None and self._value is None:
                         raise SmpartError(

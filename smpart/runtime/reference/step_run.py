@@ -18,9 +18,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from smpart.errors import PipelineError, SmpartError
-from smpart.runtime.ambient import capture
-from smpart.runtime.driver import Driver
-from smpart.runtime.messages import (
+from smpart.runtime.ambient import capture, compute_thread
+from smpart.runtime.reference.driver import Driver
+from smpart.runtime.reference.scheduler import Cancelled
+from smpart.runtime.reference.stage import POLL_S
+from smpart.runtime.timeline import Timeline
+from smpart.runtime.wire.messages import (
     STAGE,
     Abort,
     Address,
@@ -31,10 +34,6 @@ from smpart.runtime.messages import (
     StageReport,
     coordinator_endpoint,
 )
-from smpart.runtime.scheduler import Cancelled
-from smpart.runtime.stage import POLL_S
-from smpart.runtime.threads import compute_thread
-from smpart.runtime.timeline import Timeline
 
 if TYPE_CHECKING:
     from smpart.runtime.runtime import Runtime

@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import time
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from smpart.errors import PipelineError, SmpartError
-from smpart.runtime import boundary, carried, handles
 from smpart.runtime.ambient import DEFAULT, capture
-from smpart.runtime.calls import Frame, as_pipeline_error, running
-from smpart.runtime.gradients import (
+from smpart.runtime.microbatches import detached
+from smpart.runtime.reference import boundary, carried, handles
+from smpart.runtime.reference.calls import Frame, as_pipeline_error, running
+from smpart.runtime.reference.gradients import (
     CallRecords,
     Outbox,
     backpropagate,
@@ -32,7 +33,9 @@ from smpart.runtime.gradients import (
     grad_mask,
     restore_requires_grad,
 )
-from smpart.runtime.messages import (
+from smpart.runtime.reference.scheduler import Cancelled
+from smpart.runtime.reference.stage import POLL_S, new_call_id, run_job
+from smpart.runtime.wire.messages import (
     STAGE,
     Batch,
     Credit,
@@ -45,18 +48,12 @@ from smpart.runtime.messages import (
     Response,
     driver_endpoint,
 )
-from smpart.runtime.microbatches import detached
-from smpart.runtime.scheduler import Cancelled
-from smpart.runtime.stage import POLL_S, new_call_id, run_job
-
-if TYPE_CHECKING:
-    from smpart.runtime.step_run import StepRun
 
 
 class Driver:
     stage = None
 
-    def __init__(self, run: StepRun, microbatch: int, args: tuple, kwargs: dict) -> None:
+    def __init__(self, run: Any, microbatch: int, args: tuple, kwargs: dict) -> None:
         self.run = run
         self.microbatch = microbatch
         self.args, self.kwargs = args, kwargs

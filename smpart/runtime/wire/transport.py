@@ -7,7 +7,7 @@ queue, a socket or a process group.
 - `ThreadTransport`: every place is in this process; one FIFO queue per address, messages
   passed by reference (the receiver detaches and moves tensors itself). Bytes are counted as
   they would cross between processes, so the thread runtime reports the same figures.
-- `smpart.runtime.processes.RoutedTransport`: one place per rank, messages between ranks over
+- `smpart.runtime.wire.routed.RoutedTransport`: one place per rank, messages between ranks over
   ``torch.distributed``; local addresses behave as here.
 
 An address is either *received* (`receive` reads its queue: a driver, a coordinator, a rank's
@@ -46,8 +46,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from smpart.runtime.handles import HandleRef
-from smpart.runtime.messages import Address, Batch, Gradients, Request, Response
+from smpart.runtime.reference.handles import HandleRef
+from smpart.runtime.wire.messages import Address, Batch, Gradients, Request, Response
 
 _handling = threading.local()  # whether this thread is running an endpoint's handler
 _lent = threading.local()  # the job slot of a thread lent to the message it is sending

@@ -90,7 +90,7 @@ def measure(stages: int, log_messages: bool = True, pin: dict[str, int] | None =
             send, modules = transport.send, {}
 
             def logged_send(src: int, address: Any, message: Any) -> None:
-                if type(message).__name__ == "Batch":  # promised requests sent together
+                if type(message).__name__ == "Batch":  # messages sent together
                     for each in message.messages:
                         logged_send(src, address, each)
                     return

@@ -12,8 +12,8 @@ schedules do? It keeps what smpart keeps and drops only the runtime:
   so a micro-batch makes 4 messages (activation, logits back, their gradient, the input's
   gradient) where torch's makes 2.
 
-What it drops is everything the runtime does to run any model: no drivers, jobs, turns, handles,
-promises or credit; the split, the messages and their order are written out for this MLP. The
+What it drops is everything the runtime does to run any model: no drivers, jobs, turns, handles
+or credit; the split, the messages and their order are written out for this MLP. The
 first stage's rank computes a loss as soon as its logits arrive: before each action, and while it
 waits for an action's input.
 

@@ -19,9 +19,8 @@ the step), alternating round by round so that a change in the machine's load hit
 smpart places the root module (the loop over the blocks) on stage 0.
 
 The activation is 2 rows of ``--width`` float32 per micro-batch: 8 (the default, 64 B) is at most
-`handles.SMALL_BYTES`, so every block's output travels with its reference and the root waits for
-each answer; 256 (2 KiB) is above it, so the root's calls are promised (`promises`) and it does
-not wait between them.
+`handles.SMALL_BYTES`, so on the reference runtime every block's output travels with its
+reference; 256 (2 KiB) is above it, so it stays on its stage until the next block fetches it.
 
     .venv/bin/python bench/pipeline_efficiency.py [--t-ms 5] [--microbatches 16] [--steps 5] [--rounds 2]
                                                   [--width 8]

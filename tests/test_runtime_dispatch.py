@@ -30,8 +30,8 @@ from tests.test_runtime import train_and_compare
 
 @pytest.fixture(autouse=True)
 def _reference_runtime(monkeypatch):
-    """These tests look inside the reference runtime (SMP's: requests, handles, promised calls,
-    holding, turns); with step programs on, steps after a model's first would run as programs."""
+    """These tests look inside the reference runtime (SMP's: requests, handles, holding,
+    turns); with step programs on, steps after a model's first would run as programs."""
     monkeypatch.setenv("SMPART_PROGRAMS", "0")
 
 

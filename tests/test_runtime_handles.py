@@ -26,8 +26,8 @@ from tests.test_runtime import TOL, assert_same_grads, reference_step, train_ste
 
 @pytest.fixture(autouse=True)
 def _reference_runtime(monkeypatch):
-    """These tests look inside the reference runtime (SMP's: requests, handles, promised calls,
-    holding, turns); with step programs on, steps after a model's first would run as programs."""
+    """These tests look inside the reference runtime (SMP's: requests, handles, holding,
+    turns); with step programs on, steps after a model's first would run as programs."""
     monkeypatch.setenv("SMPART_PROGRAMS", "0")
 
 
@@ -256,13 +256,11 @@ class _Through(torch.nn.Module):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("promised", [False, True])
-def test_a_custom_autograd_function_given_a_handle_sends_its_gradient_to_the_owner(promised):
+def test_a_custom_autograd_function_given_a_handle_sends_its_gradient_to_the_owner():
     torch.manual_seed(0)
     net = _Through()
     reference = copy.deepcopy(net)
-    smpart.init(pipeline_parallel_degree=2, microbatches=2, pin={"": 0, "outer": 0, "inner": 1},
-                promised_calls=promised)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, pin={"": 0, "outer": 0, "inner": 1})
     model = smpart.DistributedModel(net)
 
     @smpart.step
@@ -272,7 +270,7 @@ def test_a_custom_autograd_function_given_a_handle_sends_its_gradient_to_the_own
         return loss
 
     x = torch.randn(4, 4, dtype=torch.float64)
-    for _ in range(2):  # the second step's calls are promised (when that is on)
+    for _ in range(2):
         model.zero_grad()
         step(model, x)
     reference.zero_grad()

@@ -10,7 +10,7 @@ records one (`guards`).
 `Recorder` watches the reference step: every call of a whole module made from the glue (the
 body, or a module the partition split) is a *boundary call*; the rank running it records its
 template. A call whose micro-batches disagree (a shape that depends on the data) is marked
-unpredictable, and a program never promises its output.
+unpredictable, and a program never predicts its output.
 """
 
 from __future__ import annotations

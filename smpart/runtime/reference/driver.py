@@ -150,16 +150,13 @@ class Driver:
             output = handles.resolve(output, None, lambda ref: self.fetch(frame, ref), None)
         return output
 
-    def fetch(self, frame: Frame, ref: handles.HandleRef, have: torch.Tensor | None = None) -> torch.Tensor:
+    def fetch(self, frame: Frame, ref: handles.HandleRef) -> torch.Tensor:
         """Materialise a handle: ask the stage holding it for the data (unless it came with it)."""
-        if have is not None:
-            return have
         run = self.run
         if ref.data is not None:
             return handles.arrive_fetched(ref.data, ref, run.device, self.outbox.post)
         fetch_id = new_call_id(run.place)
-        run.send(ref.owner, Fetch(run.step, ref.microbatch, fetch_id, self.address, ref.call_id, ref.index,
-                                  ref.promised))
+        run.send(ref.owner, Fetch(run.step, ref.microbatch, fetch_id, self.address, ref.call_id, ref.index))
         message = self._response(fetch_id, f"a tensor held at {ref.owner}")
         return handles.arrive_fetched(message.output, ref, run.device, self.outbox.post)
 

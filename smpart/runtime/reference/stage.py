@@ -6,10 +6,8 @@ stage's `Endpoint`: it runs on the server's own thread, or, on the transport's s
 thread that delivered the message; either way one message at a time, in arrival order.
 
 - a `Request` becomes a job that claims the stage's turn (`scheduler`) as the next forward call
-  of its micro-batch, runs the module, keeps its outputs for the backward and answers (a promised
-  one, whose caller went on without waiting, with a confirmation: `promises`);
-- a `Batch` is a frame's promised requests, or a `ForwardDone` with the gradients of the loss,
-  taken in order;
+  of its micro-batch, runs the module, keeps its outputs for the backward and answers;
+- a `Batch` is a `ForwardDone` with the gradients of the loss, taken in order;
 - a `Response` wakes the call (or the fetch of a handle) that waits for it;
 - a `Fetch` is answered at once with a tensor the stage holds (`handles`);
 - `Gradients` join their micro-batch's backlog, and one backward segment runs for everything
@@ -44,7 +42,7 @@ from torch import nn
 from smpart.errors import PipelineError, SmpartError
 from smpart.runtime.ambient import Ambient, capture, compute_thread
 from smpart.runtime.program import templates
-from smpart.runtime.reference import boundary, carried, handles, promises
+from smpart.runtime.reference import boundary, carried, handles
 from smpart.runtime.reference.calls import Frame, as_pipeline_error, running
 from smpart.runtime.reference.gradients import (
     CallRecords,
@@ -152,34 +150,12 @@ class StageStep:
                                                           begin.active_microbatches)
         self.scheduler = StageScheduler(actions, follower)
         self.requests: dict[int, int] = defaultdict(int)  # forward calls received per micro-batch
-        #: Templates learned in this step, kept for the next steps once it ends well: whether a call
-        #: is promised then depends on earlier steps only, never on which answer came first in this
-        #: one (tensor-parallel ranks must decide alike).
-        self.learned: dict[Any, promises.Template | None] = {}
         self.resumes: dict[int, int] = defaultdict(int)  # resumed calls per micro-batch
         self.gradients_sent: dict[int, dict] = defaultdict(dict)  # per micro-batch: endpoint -> count
         self.served: dict[int, CallRecords] = defaultdict(dict)  # outputs this stage returned
         #: Outputs answered as handles, per micro-batch: (call id, tensor index) -> tensor.
         self.held: dict[int, dict[tuple[Any, int], torch.Tensor]] = defaultdict(dict)
         self.handles = begin.handles
-        self.promises = begin.promises
-        #: Calls this stage promised: call id -> (model, module).
-        self.promised_calls: dict[Any, tuple[int, str]] = {}
-        #: Promised calls served here whose outputs are not held yet: what waits for them (called
-        #: with None once held, or with the call's error), and the errors of failed calls.
-        self.producing: dict[Any, list[Callable[[BaseException | None], None]]] = defaultdict(list)
-        self.failed_calls: dict[Any, BaseException] = {}
-        #: Per promising frame (its token): promised calls received and not yet answered, and the
-        #: answered ones whose confirmation waits to go with the last one's.
-        self.unanswered: dict[Any, int] = defaultdict(int)
-        self.unconfirmed: dict[Any, dict] = defaultdict(dict)
-        #: (model, module) of the calls whose outputs this stage holds, by call id, and the outputs
-        #: fetched from here: (call id, index).
-        self.held_modules: dict[Any, tuple[int, str]] = {}
-        self.fetched: set[tuple[Any, int]] = set()
-        #: The handles this stage made for its promised calls' outputs, until their confirmation:
-        #: micro-batch -> call id -> index -> handle.
-        self.promised_handles: dict[int, dict[Any, dict[int, handles.Handle]]] = defaultdict(dict)
         self.sent: dict[int, CallRecords] = defaultdict(dict)  # arguments this stage sent
         #: Each kept call's name across steps, (module, to_outputs, n-th such call of its
         #: micro-batch here), by (call id, to_outputs); the gradient messages each name got in this
@@ -220,23 +196,6 @@ class StageStep:
             name = self.record_names.get(key)
             if name is not None:
                 self.messages_per_record[name] = max(count, self.messages_per_record.get(name, 0))
-
-
-def _one_after_another(calls: list[Callable[[], None]]) -> Callable[[], None]:
-    """One job that serves a `Batch`'s calls in order on one thread, not a thread each.
-
-    A thread each woke them all at once, and all but one went straight back to sleep waiting
-    for the turn, on a core the first call was computing on. In order is safe: a batch holds
-    one caller's calls to this stage in program order, and a call's inputs come from calls made
-    before it, so no call waits for one behind it. A call that fails answers with its error
-    itself; one that raises past that (its answer could not be sent) does not stop the rest.
-    """
-
-    def serve() -> None:
-        for call in calls:
-            run_job(call)
-
-    return serve
 
 
 def run_job(job: Callable[[], Any] | None) -> None:
@@ -312,16 +271,8 @@ class StageServer:
         self.tp_followers = list(tp_followers or [])
         self.tp_follower = tp_follower
         self.modules: dict[tuple[int, str], nn.Module] = {}
-        #: What answers look like, by call signature (`promises`; None: not promisable), and the
-        #: (model, module) whose outputs turned out to depend on their data: never promised.
-        self.templates = promises.Templates()
-        self.unpredictable: set[tuple[int, str]] = set()
         #: Gradient messages each kept call got in the last step with a backward (`gradients`).
         self.messages_per_record: dict[tuple[str, bool, int], int] = {}
-        #: (model, module) -> output index -> the place whose driver last fetched such an output from
-        #: here: the confirmation of a promised call from that place brings the data along (a stage
-        #: that computes with an output fetches it at once, racing the confirmation; see `promises`).
-        self.fetched_by: dict[tuple[int, str], dict[int, int]] = defaultdict(dict)
         self.run: StageStep | None = None
         self.workers = WorkerPool(f"smpart-stage{stage}")
         #: Messages of steps that have not begun here yet (per-pair FIFO does not order messages
@@ -343,8 +294,6 @@ class StageServer:
         #: driver's modules' training modes).
         self.on_begin: Callable[[BeginStep], None] | None = None
         self._stopping = False
-        #: While the dispatcher admits a `Batch`: its calls, to start once all are admitted.
-        self._starting: list[Callable[[], None]] | None = None
         self._handlers: dict[type, Callable[[Any], None]] = {
             BeginStep: self._on_begin, Request: self._on_request, Response: self._on_response,
             Gradients: self._on_gradients, ForwardDone: self._on_forward_done, Release: self._on_release,
@@ -402,7 +351,8 @@ class StageServer:
             self._early[step].append(message)
             return
         if isinstance(message, Batch):
-            self._admit_batch(message)
+            for each in message.messages:
+                self._admit(each)
             return
         if self.debug:
             debug("stage %d receives %s", self.stage, _describe(message))
@@ -414,16 +364,6 @@ class StageServer:
         if isinstance(message, BeginStep):
             for early in self._early.pop(step, []):
                 self._admit(early)
-
-    def _admit_batch(self, batch: Batch) -> None:
-        """Admit a batch's messages in order; every call reserves its place before any of them
-        runs, and the calls run one after another as one job."""
-        self._starting = []
-        for each in batch.messages:
-            self._admit(each)
-        calls, self._starting = self._starting, None
-        if calls:
-            self.transport.start(_one_after_another(calls), self.workers.submit)
 
     def _begin_ready_steps(self) -> None:
         for step in sorted(self._early):
@@ -452,32 +392,14 @@ class StageServer:
         mb = message.microbatch
         claim = Claim(Action(FORWARD, mb), NEW, run.requests[mb])
         run.requests[mb] += 1
-        if message.promised is not None:
-            with run.lock:
-                run.unanswered[message.promised[0]] += 1
-            if promises.waits_on(message, self.address):
-                run.scheduler.reserve(claim)
-        job = lambda: self._serve_call(run, message, claim)  # noqa: E731
-        if self._starting is None:
-            self.transport.start(job, self.workers.submit)
-        else:
-            self._starting.append(job)
+        self.transport.start(lambda: self._serve_call(run, message, claim), self.workers.submit)
 
     def _on_response(self, message: Response) -> None:
         run = self._live(message)
         if run is None:
             return
-        if message.call_id in run.promised_calls:  # a confirmation: install the data it brings
-            self._install(run, message.microbatch, message.output or {})
-        for call_id in message.confirms:  # earlier promised calls, confirmed with this one
-            confirmed = run.waiting.pop(call_id, None)
-            if confirmed is not None:
-                confirmed.deliver(Response(run.step, message.microbatch, call_id))
         waiter = run.waiting.pop(message.call_id, None)
         if waiter is not None:
-            promised = run.promised_calls.get(message.call_id)
-            if promised is not None and isinstance(message.error, promises.UnpredictableOutput):
-                self.unpredictable.add(promised)
             waiter.deliver(message)
 
     def _on_fetch(self, message: Fetch) -> None:
@@ -485,46 +407,15 @@ class StageServer:
         run = self._live(message)
         if run is None:
             return
-        self._when_held(run, message.microbatch, (message.of_call, message.index), message.promised,
-                        lambda error: self._answer_fetch(run, message, error))
-
-    def _answer_fetch(self, run: StageStep, message: Fetch, error: BaseException | None) -> None:
-        tensor = None if error is not None else run.held.get(message.microbatch, {}).get(
-            (message.of_call, message.index))
-        held_module = run.held_modules.get(message.of_call)
-        if tensor is not None and held_module is not None:
-            run.fetched.add((message.of_call, message.index))
-            if message.reply_to[1] != STAGE:  # a driver: it asks only after the call was confirmed
-                self.fetched_by[held_module][message.index] = message.reply_to[0]
-        if tensor is None and error is None:
+        tensor = run.held.get(message.microbatch, {}).get((message.of_call, message.index))
+        error = None
+        if tensor is None:
             error = PipelineError(f"stage {self.stage} no longer holds output {message.index} of call "
                                   f"{message.of_call}: a tensor was used after its micro-batch was released",
                                   stage=self.stage, microbatch=message.microbatch, rank=self.rank)
         if not run.aborted:
             answer = Response(run.step, message.microbatch, message.call_id, tensor, error)
             self.send(message.reply_to, answer)
-
-    def _when_held(self, run: StageStep, mb: int, key: tuple[Any, int], promised: bool,
-                   then: Callable[[BaseException | None], None]) -> None:
-        """Call ``then(None)`` once this stage holds output ``key`` of ``mb`` (at once if it does, or
-        if it never will: a reference not ``promised``, a released micro-batch), ``then(error)`` if
-        the promised call making it failed."""
-        with run.lock:
-            error = run.failed_calls.get(key[0])
-            if (error is None and promised and key not in run.held.get(mb, {})
-                    and mb not in run.released):
-                run.producing[key[0]].append(then)
-                return
-        then(error)
-
-    def _produced(self, run: StageStep, call_id: Any, error: BaseException | None) -> None:
-        """A promised call's outputs are held (or it failed): run what waits for them."""
-        with run.lock:
-            if error is not None:
-                run.failed_calls[call_id] = error
-            waiting = run.producing.pop(call_id, [])
-        for then in waiting:
-            then(error)
 
     def _on_gradients(self, message: Gradients) -> None:
         run = self._live(message)
@@ -565,7 +456,6 @@ class StageServer:
             run.served.pop(mb, None)
             run.sent.pop(mb, None)
             run.held.pop(mb, None)
-            run.promised_handles.pop(mb, None)
             run.scheduler.microbatch_over(mb)
             if len(run.released) == run.microbatches and self.on_gradients_final is not None:
                 self.on_gradients_final(run.step)
@@ -579,11 +469,8 @@ class StageServer:
         run = self.run
         if run is None or run.step != message.step:
             return
-        if not run.aborted:
-            for key, template in run.learned.items():
-                self.templates[key] = template
-            if run.messages_per_record:
-                self.messages_per_record = run.messages_per_record
+        if not run.aborted and run.messages_per_record:
+            self.messages_per_record = run.messages_per_record
         self._abort(run)  # nothing of this step may still run or wait
         self.run = None
         started = [str(a) for a in run.scheduler.started_order]
@@ -622,14 +509,11 @@ class StageServer:
         """Run a requested module call and answer it."""
         mb = request.microbatch
         try:
-            fetched = self._await_promised(run, request) if request.refs else {}
             run.scheduler.acquire(claim, run.timeout_s, lambda: self._describe_wait(run, request.module, mb),
                                   self.transport.check)
         except Cancelled:
-            run.scheduler.withdraw(claim)
             return
         except (TimedOut, SmpartError) as err:
-            run.scheduler.withdraw(claim)
             self._answer(run, request, error=err if isinstance(err, PipelineError) else PipelineError(
                 str(err), stage=self.stage, module=request.module, microbatch=mb, rank=self.rank))
             return
@@ -637,15 +521,14 @@ class StageServer:
         if self.debug:
             debug("stage %d runs %s: module %r (call %s)", self.stage, claim.action, request.module,
                   request.call_id)
-        frame = Frame(self, run.step, mb, run=run, claim=claim, since=time.time(), promised=[])
+        frame = Frame(self, run.step, mb, run=run, claim=claim, since=time.time())
         try:
-            self._run_call(run, request, frame, fetched)
+            self._run_call(run, request, frame)
         finally:
             streams.leave()  # a split region left open (its row partner on another stage) ends here
             self._step_out(frame)
 
-    def _run_call(self, run: StageStep, request: Request, frame: Frame,
-                  fetched: dict[tuple, torch.Tensor]) -> None:
+    def _run_call(self, run: StageStep, request: Request, frame: Frame) -> None:
         """The body of `_serve_call`, the turn held: run the module, then answer. The answer is sent
         before the turn is given back, as the next action would otherwise start first and take the
         CPU (and the GIL) from the send that another stage waits for."""
@@ -663,25 +546,17 @@ class StageServer:
             args, kwargs = boundary.arrive_call(received_args, received_kwargs, self.device,
                                                 route if ambient.grad_enabled else None, run.outbox.post)
             if request.refs:
-                args, kwargs = self._resolve(run, mb, (args, kwargs), fetched)
+                args, kwargs = self._resolve(run, mb, (args, kwargs))
             staged = self.modules[(request.model, request.module)].__dict__["forward"]
             with running(frame), ambient.applied():
                 output = staged.run_here(frame, args, kwargs)
-                if frame.promised:
-                    self._settle(frame)
                 output, refs = handles.departing(output, not request.handles, request.reply_to)
-            if request.promised is not None:
-                promises.check(output, ambient.grad_enabled, request.promised[1], request.module, self.stage,
-                               mb, self.rank)
             what = lambda: f"the output of module {request.module!r} (stage {self.stage})"  # noqa: E731
             kept, forwarded = boundary.depart(output, ambient.grad_enabled, what)
-            if request.promised is not None and forwarded:  # the caller made routes to here: relay
-                kept, forwarded = promises.keep_forwarded(output, kept, forwarded), {}
             mask = grad_mask(kept, forwarded)
             if kept is not None:
                 run.keep_record(run.served, mb, request.call_id, request.module, kept, True)
             if request.handles:  # the output stays here; the caller gets references
-                run.held_modules[request.call_id] = (request.model, request.module)
                 output = handles.hold(output, self.address, run.step, mb, request.call_id, run.held[mb], mask,
                                       forwarded)
                 forwarded, mask, refs = {}, (), True
@@ -697,95 +572,21 @@ class StageServer:
     def _answer(self, run: StageStep, request: Request, output: Any = None,
                 error: BaseException | None = None, forwarded: dict | None = None,
                 mask: tuple[int, ...] = (), snapshots: list | None = None, refs: bool = False) -> None:
-        """Answer a call; a promised one with a bare confirmation (its outputs are held already),
-        which waits to go with the next one while its frame has promised calls unanswered here."""
-        confirms: tuple = ()
-        if request.promised is not None:
-            self._produced(run, request.call_id, error)
-            output, forwarded, mask, snapshots, refs = None, None, (), None, False
-            token = request.promised[0]
-            data = self._wanted_data(run, request) if error is None else None
-            with run.lock:
-                run.unanswered[token] -= 1
-                waiting = run.unconfirmed[token]
-                if data:
-                    waiting[request.call_id] = data
-                if error is None and run.unanswered[token] > 0:
-                    waiting.setdefault(request.call_id, None)
-                    return
-                del run.unconfirmed[token]
-            output = {}  # the data of outputs not fetched meanwhile
-            for call_id, data in waiting.items():
-                left = {i: t for i, t in (data or {}).items() if (call_id, i) not in run.fetched}
-                if left:
-                    output[call_id] = left
-            confirms = tuple(call_id for call_id in waiting if call_id != request.call_id)
+        """Answer a call."""
         if not run.aborted:
             self.send(request.reply_to, Response(run.step, request.microbatch, request.call_id, output, error,
-                                                 forwarded or {}, mask, snapshots or [], refs, confirms))
+                                                 forwarded or {}, mask, snapshots or [], refs))
 
-    def _wanted_data(self, run: StageStep, request: Request) -> dict[int, torch.Tensor]:
-        """The outputs of a promised call like those the driver on the caller's rank fetched before,
-        by index (not those fetched already)."""
-        fetched_by = self.fetched_by.get((request.model, request.module))
-        if not fetched_by:
-            return {}
-        held, caller = run.held.get(request.microbatch, {}), request.reply_to[0]
-        wanted = [(request.call_id, index) for index, place in fetched_by.items() if place == caller]
-        return {key[1]: held[key] for key in wanted if key in held and key not in run.fetched}
-
-    def _install(self, run: StageStep, mb: int, data: dict[Any, dict[int, torch.Tensor]]) -> None:
-        """Materialise the handles of promised outputs whose data came with their confirmation."""
-        for call_id, by_index in data.items():
-            made = run.promised_handles.get(mb, {}).pop(call_id, {})
-            for index, tensor in by_index.items():
-                handle = made.get(index)
-                if handle is not None:
-                    handle.materialise_with(lambda t=tensor, h=handle: handles.arrive_fetched(
-                        t, h._ref, self.device, run.outbox.post))
-
-    def _resolve(self, run: StageStep, mb: int, value: Any, fetched: dict | None = None) -> Any:
-        """``value`` with its handle references resolved: the tensors this stage holds, the data of
-        those ``fetched`` already, `Handle`s for the others' (see `handles`)."""
-        def elsewhere(ref: handles.HandleRef) -> torch.Tensor:
-            data = fetched.get((ref.owner, ref.key)) if fetched else None
-            if data is None:
-                return handles.Handle(ref, self.device, run.outbox.post)
-            return handles.arrive_fetched(data, ref, self.device, run.outbox.post)
-
-        return handles.resolve(value, lambda ref: self._held(run, ref), elsewhere, self.address)
-
-    def _await_promised(self, run: StageStep, request: Request) -> dict[tuple, torch.Tensor]:
-        """Before a call takes its turn: wait until this stage holds the promised tensors it is
-        passed, and fetch those held elsewhere (see `promises`); returns the fetched data."""
-        refs = [ref for ref in promises.references((request.args, request.kwargs)) if ref.promised]
-        what = lambda: (f"micro-batch {request.microbatch} waited more than {run.timeout_s} s for the "  # noqa: E731
-                        f"arguments of module {request.module!r} (stage {self.stage}; a hang)")
-        for ref in refs:
-            if ref.owner == self.address:
-                waiter = Waiter()
-                self._when_held(run, ref.microbatch, ref.key, True,
-                                lambda error, w=waiter: w.deliver(Response(run.step, 0, None, None, error)))
-                response = waiter.wait(run.timeout_s, what, lambda: self._check(run))
-                if response.error is not None:
-                    raise response.error
-        pending = []
-        for ref in {(ref.owner, ref.key): ref for ref in refs if ref.owner != self.address}.values():
-            fetch_id = new_call_id(self.place)
-            pending.append((ref, self._request_fetch(run, ref, fetch_id)))
-        fetched = {}
-        for ref, waiter in pending:
-            response = waiter.wait(run.timeout_s, what, lambda: self._check(run))
-            if response.error is not None:
-                raise response.error
-            fetched[(ref.owner, ref.key)] = response.output
-        return fetched
+    def _resolve(self, run: StageStep, mb: int, value: Any) -> Any:
+        """``value`` with its handle references resolved: the tensors this stage holds, `Handle`s for
+        the others' (see `handles`)."""
+        return handles.resolve(value, lambda ref: self._held(run, ref),
+                               lambda ref: handles.Handle(ref, self.device, run.outbox.post), self.address)
 
     def _request_fetch(self, run: StageStep, ref: handles.HandleRef, fetch_id: Any) -> Waiter:
         waiter = Waiter()
         run.waiting[fetch_id] = waiter
-        self.send(ref.owner, Fetch(run.step, ref.microbatch, fetch_id, self.address, ref.call_id, ref.index,
-                                   ref.promised))
+        self.send(ref.owner, Fetch(run.step, ref.microbatch, fetch_id, self.address, ref.call_id, ref.index))
         return waiter
 
     def _held(self, run: StageStep, ref: handles.HandleRef) -> torch.Tensor:
@@ -795,30 +596,15 @@ class StageServer:
                                 microbatch=ref.microbatch, rank=self.rank)
         return tensor
 
-    def fetch(self, frame: Frame, ref: handles.HandleRef, have: torch.Tensor | None = None) -> torch.Tensor:
+    def fetch(self, frame: Frame, ref: handles.HandleRef) -> torch.Tensor:
         """Materialise a handle: ask its owner for the data and wait (holding the turn if this frame
-        does: the owner's dispatcher answers without needing any stage's turn). A promised tensor's
-        owner may still have to compute it, and that may wait for this stage: the turn is given
-        back meanwhile and taken again before the computation that needs the data goes on (two
-        pieces of work at once would break the order of work, and tensor parallelism's collectives
-        with it). That happens whether or not the data came already (``have``, with a confirmation),
-        which is a race: tensor-parallel ranks must give their turns back alike."""
+        does: the owner's dispatcher answers without needing any stage's turn)."""
         run: StageStep = frame.run
         if ref.owner == self.address:
             return self._held(run, ref)
-        if have is None and ref.data is not None:  # small: it came with its reference
+        if ref.data is not None:  # small: it came with its reference
             return handles.arrive_fetched(ref.data, ref, self.device, run.outbox.post)
-        if frame.outgoing is not None:
-            self.flush(frame)
-        resume = ref.promised and frame.promised is not None and frame.claim is not None
-        if resume:
-            region = streams.suspend()  # the work run meanwhile draws from the shared stream
-            self._step_out(frame)
-        value = have if have is not None else self._fetched(run, ref)
-        if resume:
-            self.enter_compute(frame)
-            streams.resume(region)
-        return value
+        return self._fetched(run, ref)
 
     def _fetched(self, run: StageStep, ref: handles.HandleRef) -> torch.Tensor:
         waiter = self._request_fetch(run, ref, new_call_id(self.place))
@@ -844,8 +630,6 @@ class StageServer:
         ambient = capture()
         what = lambda: f"the arguments of module {module!r} (stage {stage})"  # noqa: E731
         callee = (self.place_of_stage(stage), STAGE)
-        if frame.outgoing is not None and frame.outgoing[0] != callee:
-            self.flush(frame)
         (args, kwargs), refs = handles.departing((args, kwargs), to=callee)
         kept, forwarded = boundary.depart_call(args, kwargs, ambient.grad_enabled, what)
         if kept is not None:
@@ -853,26 +637,10 @@ class StageServer:
         remote = not self.transport.local(callee[0])
         (sent_args, sent_kwargs), originals = (carried.pack_call((args, kwargs)) if remote
                                                else ((args, kwargs), []))
-        key = self._promise_key(frame, model, module, ambient, (args, kwargs), bool(originals))
-        template = self.templates.get(key) if key is not None else None
-        if template is not None and frame.token is None:
-            frame.token = new_call_id(self.place)
         request = Request(run.step, mb, call_id, self.address, model, module, sent_args, sent_kwargs, ambient,
-                          forwarded, grad_mask(kept, forwarded), bool(originals), refs, run.handles,
-                          (frame.token, template.expected) if template is not None else None)
+                          forwarded, grad_mask(kept, forwarded), bool(originals), refs, run.handles)
         waiter = Waiter()
         run.waiting[call_id] = waiter
-        if template is not None:  # go on with references made here (see `promises`)
-            run.promised_calls[call_id] = (model, module)
-            frame.promised.append((module, stage, waiter))
-            if frame.outgoing is None:
-                frame.outgoing = (callee, [])
-            frame.outgoing[1].append(request)
-            output = self._resolve(run, mb, promises.promise(template, callee, run.step, mb, call_id,
-                                                                  ambient.grad_enabled))
-            run.promised_handles[mb][call_id] = promises.handles_in(output)
-            return output
-        self.flush(frame)
         self._step_out(frame)
         job = self.transport.lend(lambda: self.send(callee, request))
         run_job(job)  # the callee's stage is in this process and took it at once: run it here
@@ -890,46 +658,7 @@ class StageServer:
         restore_requires_grad(output, response.grad_mask)
         route = route if ambient.grad_enabled else None
         output = boundary.arrive(output, self.device, route, run.outbox.post)
-        if not response.refs:
-            return output
-        if key is not None and key not in self.templates and key not in run.learned:
-            run.learned[key] = promises.template_of(output, callee, ambient.grad_enabled)
-        return self._resolve(run, mb, output)
-
-    def _promise_key(self, frame: Frame, model: int, module: str, ambient: Ambient, value: Any,
-                     carries_state: bool) -> Any:
-        """The key of a call's template (`promises`), or None if this call may not be promised."""
-        run: StageStep = frame.run
-        if not run.promises or frame.promised is None or carries_state:
-            return None
-        if (model, module) in self.unpredictable:
-            return None
-        sig = promises.signature(value)
-        return None if sig is None else (model, module, ambient, sig)
-
-    def flush(self, frame: Frame) -> None:
-        """Send the promised requests ``frame`` holds back, as one message."""
-        if frame.outgoing is None:
-            return
-        (callee, requests), frame.outgoing = frame.outgoing, None
-        self.send(callee, requests[0] if len(requests) == 1 else Batch(requests))
-
-    def _settle(self, frame: Frame) -> None:
-        """Wait (the turn given back) for the confirmations of the calls this frame promised; raise
-        the first error one of them brings."""
-        run: StageStep = frame.run
-        self.flush(frame)
-        self._step_out(frame)
-        promised, frame.promised = frame.promised, []
-        for module, stage, waiter in promised:
-            try:
-                response = waiter.wait(run.timeout_s, lambda m=module, s=stage: self._describe_wait(
-                    run, m, frame.microbatch, s), lambda: self._check(run))
-            except TimedOut as err:
-                raise PipelineError(str(err), stage=stage, module=module, microbatch=frame.microbatch,
-                                    rank=self.rank) from None
-            if response.error is not None:
-                raise response.error
+        return self._resolve(run, mb, output) if response.refs else output
 
     def enter_compute(self, frame: Frame) -> None:
         """A resumed call is about to run a module of this stage: take the turn first."""

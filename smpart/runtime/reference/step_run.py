@@ -58,7 +58,6 @@ class StepRun:
         self.average_grads = config.average_grads_across_microbatches
         self.timeout_s = config.timeout_s
         self.handles = config.output_handles
-        self.promises = self.handles and config.promised_calls
         self.aborted = threading.Event()
         self.turn = threading.Condition()
         self.next_turn = 0
@@ -92,7 +91,7 @@ class StepRun:
         self.transport.open(self.address)
         start = time.time()
         self.broadcast(BeginStep(self.step, self.microbatches, self.schedule, self.active_microbatches,
-                                 self.timeout_s, self.address, self.handles, self.promises,
+                                 self.timeout_s, self.address, self.handles,
                                  self.runtime.training_modes()))
         threads: list[threading.Thread] = []
         results: list[Any] = [None] * self.microbatches

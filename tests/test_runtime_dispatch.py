@@ -20,7 +20,7 @@ from torch import nn
 
 import smpart
 from examples.models import ZOO
-from smpart.runtime.reference.stage import run_job
+from smpart.runtime.reference.workers import run_job
 from smpart.runtime.runtime import current_runtime
 from smpart.runtime.wire.transport import Endpoint, ThreadTransport
 from tests.launch import run_ranks

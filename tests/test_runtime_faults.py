@@ -247,7 +247,8 @@ def _waiting_follower():
     """A tensor-parallel follower's stage in a step whose micro-batch 0 has a segment running, and
     a thread in which that segment waits for the gradient message its leader's consumed."""
     from smpart.runtime.reference.scheduler import SEGMENT, Claim
-    from smpart.runtime.reference.stage import StageServer, StageStep
+    from smpart.runtime.reference.stage import StageServer
+    from smpart.runtime.reference.stage_step import StageStep
     from smpart.runtime.schedule import BACKWARD, Action
     from smpart.runtime.wire.messages import BeginStep
 

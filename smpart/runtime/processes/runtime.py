@@ -55,8 +55,9 @@ from smpart.runtime.processes.state_exchange import StateExchange
 from smpart.runtime.program import steps as program_steps
 from smpart.runtime.program import templates
 from smpart.runtime.program.messages import PROGRAM, BeginProgram
-from smpart.runtime.reference.stage import POLL_S, StageServer
+from smpart.runtime.reference.stage import StageServer
 from smpart.runtime.reference.step_run import StepRun
+from smpart.runtime.reference.workers import POLL_S
 from smpart.runtime.runtime import Runtime, partition_for
 from smpart.runtime.wire.messages import (
     MAIN,

@@ -36,7 +36,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from smpart.errors import SmpartError
-from smpart.runtime.reference.stage import POLL_S
+from smpart.runtime.reference.workers import POLL_S
 from smpart.runtime.wire.messages import MAIN, StateDone, StateReply, StateRequest
 
 

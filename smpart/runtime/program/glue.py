@@ -33,6 +33,10 @@ every gradient crosses once, whole, and each rank's graph is walked once per roo
 A rank that meets something else than the recorded program (another module, a transfer the
 others do not make) raises `Diverged` before it sends or waits: the step then runs on the
 reference runtime (`guards`).
+
+The file is long (800 lines) because `MicrobatchRun` is one state machine over one micro-batch's
+body (avail sets, transfers, roots and leaves, the placeholder evaluation): split, its rules
+would be read in pieces that only make sense together.
 """
 
 from __future__ import annotations

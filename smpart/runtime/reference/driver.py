@@ -34,7 +34,7 @@ from smpart.runtime.reference.gradients import (
     restore_requires_grad,
 )
 from smpart.runtime.reference.scheduler import Cancelled
-from smpart.runtime.reference.stage import POLL_S, new_call_id, run_job
+from smpart.runtime.reference.workers import POLL_S, new_call_id, run_job
 from smpart.runtime.wire.messages import (
     STAGE,
     Batch,

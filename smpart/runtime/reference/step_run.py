@@ -21,7 +21,7 @@ from smpart.errors import PipelineError, SmpartError
 from smpart.runtime.ambient import capture, compute_thread
 from smpart.runtime.reference.driver import Driver
 from smpart.runtime.reference.scheduler import Cancelled
-from smpart.runtime.reference.stage import POLL_S
+from smpart.runtime.reference.workers import POLL_S
 from smpart.runtime.timeline import Timeline
 from smpart.runtime.wire.messages import (
     STAGE,

@@ -29,7 +29,7 @@ calling the root, or a stage calling a module on another stage of this process, 
 until the answer comes; a driver whose loss's gradients went out is about to wait for its credit; a
 backward segment that sent its gradients is done. If such a message is handled at once on the
 sending thread (above), the job it starts (running the module, or the next segment) is handed back
-and that thread runs it itself (a segment returns it, and `stage.run_job` runs the chain in a loop),
+and that thread runs it itself (a segment returns it, and `workers.run_job` runs the chain in a loop),
 instead of a worker thread waking up to run it: no thread hand-off. The job is exactly what a
 worker would have run, so nothing else changes.
 """

@@ -40,13 +40,13 @@ SPLIT_BLOCK = {"": 0, "transformer": 0, "transformer.wte": 0, "transformer.wpe":
                "transformer.h.2": 1, "transformer.h.3": 1, "transformer.ln_f": 1}
 
 
-def _split_block_run(schedule: str) -> dict:
+def _split_block_run(schedule: str, **config) -> dict:
     """Train the split GPT-2 and the unsplit one side by side; per step, the worst gradient
     difference and the parameters (of this rank) accumulated more or fewer times than unsplit."""
     example = ZOO["gpt2"](dtype=torch.float64, n_layer=4)
     reference = copy.deepcopy(example.model)
     smpart.init(pipeline_parallel_degree=2, microbatches=MICROBATCHES, pipeline=schedule, pin=SPLIT_BLOCK,
-                timeout_s=60)
+                timeout_s=60, **config)
     model = smpart.DistributedModel(example.model)
 
     @smpart.step
@@ -91,6 +91,15 @@ def _assert_split_block(report: dict) -> None:
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_block_split_between_stages_runs_each_backward_once_per_microbatch(schedule):
     _assert_split_block(_split_block_run(schedule))
+
+
+@pytest.mark.timeout(120)
+def test_with_holding_off_the_gradients_are_the_same_and_the_work_repeats():
+    """``Config.gradient_holding=False`` turns the mechanism off: still the unsplit model's gradients,
+    and the blocks before the cut run their backward again at every step (nothing is held back)."""
+    report = _split_block_run("1f1b", gradient_holding=False)
+    assert max(report["grad"]) <= TOL, report["grad"]
+    assert all(report["miscounted"]), report["miscounted"]
 
 
 @pytest.mark.timeout(120)

@@ -31,7 +31,7 @@ class ThreadRuntime(Runtime):
         self.config = config
         self.num_stages = config.pipeline_parallel_degree
         self.devices = choose_devices(config)
-        self.transport: Transport = ThreadTransport(direct=config.direct_dispatch)
+        self.transport: Transport = ThreadTransport()
         self.servers = [StageServer(s, self.num_stages, s, d, self.transport, self.place_of_stage)
                         for s, d in enumerate(self.devices)]
         self.steps = itertools.count()

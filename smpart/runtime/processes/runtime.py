@@ -100,7 +100,7 @@ class ProcessRuntime(Runtime):
             lambda deliver: ProcessTransport(self.rank, self.setup.world_size, self.setup.transport_group,
                                              data_groups=self.setup.data_groups, timeout_s=config.timeout_s,
                                              peers=peers, deliver=deliver),
-            self.rank, direct=config.direct_dispatch)
+            self.rank)
         self.transport.open((self.rank, PROGRAM))  # a program step's transfers to this rank
         self.server = StageServer(self.stage, self.num_stages, self.rank, self.setup.device, self.transport,
                                   self.place_of_stage, rank=self.rank,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from smpart.errors import PipelineError, SmpartError
-from smpart.runtime.ambient import DEFAULT, capture
+from smpart.runtime.ambient import capture
 from smpart.runtime.microbatches import detached
 from smpart.runtime.reference import boundary, carried, handles
 from smpart.runtime.reference.calls import Frame, as_pipeline_error, running
@@ -34,7 +34,7 @@ from smpart.runtime.reference.gradients import (
     restore_requires_grad,
 )
 from smpart.runtime.reference.scheduler import Cancelled
-from smpart.runtime.reference.workers import POLL_S, new_call_id, run_job
+from smpart.runtime.reference.workers import POLL_S, new_call_id
 from smpart.runtime.wire.messages import (
     STAGE,
     Batch,
@@ -135,9 +135,8 @@ class Driver:
                                                else ((args, kwargs), []))
         request = Request(run.step, mb, call_id, self.address, model, module, sent_args, sent_kwargs,
                           ambient, forwarded, grad_mask(kept, forwarded), bool(originals), refs)
-        job = run.transport.lend(lambda: run.send(callee, request))
+        run.send(callee, request)
         self.pass_turn()
-        run_job(job)  # the callee's stage lives here and took the request at once: run it here
         message = self._response(call_id, f"module {module or '<root>'!r} on stage {stage}")
         route = boundary.route_back(callee, call_id, True, message.forwarded)
         output = message.output
@@ -188,11 +187,8 @@ class Driver:
         scale = 1.0 / self.run.microbatches if self.run.average_grads else 1.0
         grad = torch.ones_like(loss) if grad is None else grad
         torch.autograd.backward(loss, grad * scale)
-        job = self.run.transport.lend(lambda: self._dispatch(Fraction(1), forward_over=not self.forward_done))
+        self._dispatch(Fraction(1), forward_over=not self.forward_done)
         self.forward_done = True
-        if job is not None:  # a stage here took the loss's gradients at once: its segment runs here,
-            with DEFAULT.applied():  # as on a worker thread, outside the body's autocast
-                run_job(job)
 
     def finish_forward(self) -> None:
         if not self.forward_done:

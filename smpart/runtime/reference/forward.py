@@ -30,7 +30,7 @@ from smpart.runtime.reference.scheduler import (
     TimedOut,
 )
 from smpart.runtime.reference.stage_step import StageStep
-from smpart.runtime.reference.workers import Waiter, debug, new_call_id, run_job
+from smpart.runtime.reference.workers import Waiter, debug, new_call_id
 from smpart.runtime.schedule import FORWARD, Action
 from smpart.runtime.wire.messages import (
     STAGE,
@@ -183,8 +183,7 @@ class ForwardCalls:
         waiter = Waiter()
         run.waiting[call_id] = waiter
         self._step_out(frame)
-        job = self.transport.lend(lambda: self.send(callee, request))
-        run_job(job)  # the callee's stage is in this process and took it at once: run it here
+        self.send(callee, request)
         try:
             response = waiter.wait(run.timeout_s, lambda: self._describe_wait(run, module, mb, stage),
                                    lambda: self._check(run))

@@ -9,9 +9,7 @@ before it gives the turn back.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from fractions import Fraction
-from typing import Any
 
 from smpart.errors import PipelineError, SmpartError
 from smpart.runtime.reference.calls import Frame, as_pipeline_error, running
@@ -41,7 +39,7 @@ class BackwardSegments:
     """The backward half of `StageServer` (see the module docstring)."""
 
     # ================================================================ backward segments
-    def _run_segment(self, run: StageStep, mb: int) -> Callable[[], Any] | None:
+    def _run_segment(self, run: StageStep, mb: int) -> None:
         """One backward segment for every gradient message of ``mb`` queued by the time it runs.
         Returns the job its gradients started on a stage of this process, to run next on this
         thread (`run_job`): the thread was done, and another would have to wake up for it."""
@@ -86,7 +84,6 @@ class BackwardSegments:
         finally:
             posts = run.outbox.take()
             run.spans.append((mb, "backward", start, time.time()))
-        job = None
         try:  # the gradients go before the turn does (see `_run_call`)
             if not failed and not run.aborted:
                 if bool(holding.pending) != holding.reported:  # tell the driver, with credit
@@ -94,16 +91,15 @@ class BackwardSegments:
                     news, credit = credit / 2, credit - credit / 2
                     self.send(run.home(mb), Credit(run.step, mb, news, (self.address, holding.reported)))
                 home, sent = run.home(mb), run.gradients_sent[mb]
-                job = self.transport.lend(lambda: dispatch(self.send, posts, credit, run.step, mb, home,
-                                                           self.stage, sent))
+                dispatch(self.send, posts, credit, run.step, mb, home, self.stage, sent)
         finally:
             run.scheduler.release(claim)
-        return job
 
     def _holding(self, run: StageStep, mb: int) -> Holding:
         holding = run.holdings.get(mb)
         if holding is None:
-            names, expected = run.record_names, self.messages_per_record
+            names = run.record_names
+            expected = self.messages_per_record if run.holding else {}  # off: nothing is held back
             holding = run.holdings[mb] = Holding(lambda call_id, to_outputs: expected.get(
                 names.get((call_id, to_outputs)), 0))
         return holding

@@ -3,8 +3,7 @@
 A server has a *dispatcher*, which takes every message for the stage and turns it into state or
 work, and a pool of *worker* threads that do the work (`workers`): forward calls (`forward`) and
 backward segments (`segments`), with the step's state in a `StageStep` (`stage_step`). The
-dispatcher is the handler of the stage's `Endpoint`: it runs on the server's own thread, or, on
-the transport's speed path, on the thread that delivered the message; either way one message at
+dispatcher is the handler of the stage's `Endpoint`, on the server's own thread: one message at
 a time, in arrival order.
 
 - a `Request` becomes a forward call's job;
@@ -209,7 +208,7 @@ class StageServer(ForwardCalls, BackwardSegments):
         mb = message.microbatch
         claim = Claim(Action(FORWARD, mb), NEW, run.requests[mb])
         run.requests[mb] += 1
-        self.transport.start(lambda: self._serve_call(run, message, claim), self.workers.submit)
+        self.workers.submit(lambda: self._serve_call(run, message, claim))
 
     def _on_response(self, message: Response) -> None:
         run = self._live(message)
@@ -245,7 +244,7 @@ class StageServer(ForwardCalls, BackwardSegments):
             if mb in run.segment_queued:
                 return
             run.segment_queued.add(mb)
-        self.transport.start(lambda: self._run_segment(run, mb), self.workers.submit)
+        self.workers.submit(lambda: self._run_segment(run, mb))
 
     def _on_grant(self, message: Grant) -> None:
         run = self._live(message)

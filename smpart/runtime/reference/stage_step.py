@@ -50,6 +50,7 @@ class StageStep:
         #: Outputs answered as handles, per micro-batch: (call id, tensor index) -> tensor.
         self.held: dict[int, dict[tuple[Any, int], torch.Tensor]] = defaultdict(dict)
         self.handles = begin.handles
+        self.holding = begin.holding
         self.sent: dict[int, CallRecords] = defaultdict(dict)  # arguments this stage sent
         #: Each kept call's name across steps, (module, to_outputs, n-th such call of its
         #: micro-batch here), by (call id, to_outputs); the gradient messages each name got in this

@@ -58,6 +58,7 @@ class StepRun:
         self.average_grads = config.average_grads_across_microbatches
         self.timeout_s = config.timeout_s
         self.handles = config.output_handles
+        self.holding = config.gradient_holding
         self.aborted = threading.Event()
         self.turn = threading.Condition()
         self.next_turn = 0
@@ -91,7 +92,7 @@ class StepRun:
         self.transport.open(self.address)
         start = time.time()
         self.broadcast(BeginStep(self.step, self.microbatches, self.schedule, self.active_microbatches,
-                                 self.timeout_s, self.address, self.handles,
+                                 self.timeout_s, self.address, self.handles, self.holding,
                                  self.runtime.training_modes()))
         threads: list[threading.Thread] = []
         results: list[Any] = [None] * self.microbatches

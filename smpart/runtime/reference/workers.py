@@ -2,7 +2,7 @@
 
 `WorkerPool` starts a thread whenever every one is busy (a call waiting for another stage keeps its
 thread: its Python frames live on that stack) and reuses idle ones, so a steady state starts none.
-`run_job` runs a job and the job it hands on, in a loop (`Transport.lend`). A `Waiter` is a call
+`run_job` runs a job, warning of anything that escapes it. A `Waiter` is a call
 waiting for its `Response`, every ``POLL_S`` checking the transport for lost peers.
 """
 
@@ -77,18 +77,13 @@ class Waiter:
         return self.response
 
 
-def run_job(job: Callable[[], Any] | None) -> None:
-    """Run ``job``, then the job it hands on, if any (returned: a backward segment hands on the
-    segment its gradients started on a stage of this process, `Transport.lend`), and so on: a
-    chain of segments runs on one thread in a loop, never nested. Jobs report their own failures,
-    so anything escaping one is only warned of."""
-    while callable(job):
-        try:
-            job = job()
-        except BaseException:  # noqa: BLE001 - a last resort: the thread goes on with its next job
-            warnings.warn(f"smpart: unexpected error in {threading.current_thread().name}:\n"
-                          f"{traceback.format_exc()}", RuntimeWarning, stacklevel=1)
-            return
+def run_job(job: Callable[[], Any]) -> None:
+    """Run ``job``. Jobs report their own failures, so anything escaping one is only warned of."""
+    try:
+        job()
+    except BaseException:  # noqa: BLE001 - a last resort: the thread goes on with its next job
+        warnings.warn(f"smpart: unexpected error in {threading.current_thread().name}:\n"
+                      f"{traceback.format_exc()}", RuntimeWarning, stacklevel=1)
 
 
 class WorkerPool:

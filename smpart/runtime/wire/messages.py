@@ -162,6 +162,8 @@ class BeginStep:
     coordinator: Address
     #: Stages answer each other's calls with handles (`Config.output_handles`).
     handles: bool = False
+    #: Stages hold gradients back until a part of the graph has them all (`Config.gradient_holding`).
+    holding: bool = False
     #: Processes: model id -> the ``training`` flag of each of its modules (``modules()`` order) on
     #: the driver's rank, which the other ranks take (``model.eval()`` called there alone holds).
     modes: dict[int, bytes] | None = None

@@ -2,7 +2,7 @@
 
 Under ``torchrun`` a place is a rank. The thread that receives a message from a peer
 (`smpart.runtime.wire.processes.ProcessTransport`) puts it straight into the queue of its
-endpoint (or runs its handler: `Transport`'s speed path); messages between endpoints of one rank
+endpoint; messages between endpoints of one rank
 never leave it. A peer that shut smpart down says after how many steps (`Leaving`), and a wait
 inside a later step fails at once, naming it.
 """
@@ -24,9 +24,8 @@ from smpart.runtime.wire.transport import Transport
 class RoutedTransport(Transport):
     """``(place, endpoint)`` addresses over a rank-to-rank `ProcessTransport` (place = rank)."""
 
-    def __init__(self, make_inner: Callable[[Callable[[Any], None]], ProcessTransport], rank: int,
-                 direct: bool = False) -> None:
-        super().__init__(direct)
+    def __init__(self, make_inner: Callable[[Callable[[Any], None]], ProcessTransport], rank: int) -> None:
+        super().__init__()
         self.rank = rank
         self._queues: dict[Any, queue.SimpleQueue] = {}
         self._lock = threading.Lock()

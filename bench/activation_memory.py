@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import gpt2  # noqa: E402
-from smpart.runtime.activation_checkpointing import apply, checkpointed_names, remove  # noqa: E402
+from smpart.runtime.placement.activation_checkpointing import apply, checkpointed_names, remove  # noqa: E402
 from smpart.tracing.saved_bytes import SavedBytesCounter  # noqa: E402
 from smpart.tracing.tracer import trace  # noqa: E402
 from smpart.tracing.tree import with_activation_checkpointing  # noqa: E402

@@ -4,7 +4,7 @@ Every parameter's gradient is accumulated once per micro-batch per use in the un
 a module's children are split between stages (a residual stream that crosses back and forth),
 its gradient comes back in pieces; a stage that back-propagated each piece on its own walked the
 graph upstream of it once per piece, and the blocks before the cut ran their backward several
-times per micro-batch. Holding (`smpart.runtime.gradients`) runs each part once. This counts
+times per micro-batch. Holding (`smpart.runtime.reference.gradients`) runs each part once. This counts
 accumulations (``register_post_accumulate_grad_hook``) per step, split and unsplit, and prints
 their ratio per module and its mean over the transformer blocks (where the matrix products are).
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import smpart  # noqa: E402
 from examples.models import gpt2  # noqa: E402
 from smpart.runtime.runtime import current_runtime  # noqa: E402
-from smpart.runtime.transport import payload_bytes  # noqa: E402
+from smpart.runtime.wire.transport import payload_bytes  # noqa: E402
 
 BATCH, MICROBATCHES = 8, 4
 
@@ -90,7 +90,7 @@ def measure(stages: int, log_messages: bool = True, pin: dict[str, int] | None =
             send, modules = transport.send, {}
 
             def logged_send(src: int, address: Any, message: Any) -> None:
-                if type(message).__name__ == "Batch":  # promised requests sent together
+                if type(message).__name__ == "Batch":  # messages sent together
                     for each in message.messages:
                         logged_send(src, address, each)
                     return

@@ -214,7 +214,7 @@ def _load_weights(rank: int, directory: str, pp: int, built_for_real: bool) -> d
     """``smpart.load_weights`` before the first step: what this rank read and received, its peak
     and the first step's time (placement and the load)."""
     import smpart.checkpoint.stores as ckpt
-    import smpart.runtime.replicas as replicas
+    import smpart.runtime.processes.replicas as replicas
 
     counted = {"read": 0, "received": 0}
     real_read, real_broadcast = ckpt._SafetensorsStore.read, replicas._broadcast

@@ -3,7 +3,7 @@
 The MLP of `bench/mlp_pipeline.py` on 2 processes (gloo, 1 intra-op thread per rank, 4
 micro-batches, 1f1b by default). For every kind of message a rank sends to the other (a `Batch`
 by what it holds), per step: how many, the CPU to *pack* it (pickle the header, copy the tensors
-into the frame, `smpart.distributed.wire.pack`) and to *post* it (hand its transfers to gloo);
+into the frame, `smpart.runtime.wire.frames.pack`) and to *post* it (hand its transfers to gloo);
 for every kind it receives: how many, the CPU to *rebuild* it (unpickle) and to *handle* it (the
 stage's dispatcher). CPU is the thread's own (``time.thread_time``) around those functions, wrapped
 for the measurement (a few µs each).
@@ -35,9 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import smpart  # noqa: E402
 from bench.mlp_pipeline import MICROBATCHES, PINS, STAGES, make_batch, make_model, smpart_step  # noqa: E402
 from bench.rank_pool import RankPool  # noqa: E402
-from smpart.distributed import transport, wire  # noqa: E402
-from smpart.runtime import stage  # noqa: E402
-from smpart.runtime.messages import Batch  # noqa: E402
+from smpart.runtime.reference import stage  # noqa: E402
+from smpart.runtime.wire import frames as wire  # noqa: E402
+from smpart.runtime.wire import processes as transport  # noqa: E402
+from smpart.runtime.wire.messages import Batch  # noqa: E402
 
 ALONE_REPEATS = 200
 

@@ -12,8 +12,8 @@ schedules do? It keeps what smpart keeps and drops only the runtime:
   so a micro-batch makes 4 messages (activation, logits back, their gradient, the input's
   gradient) where torch's makes 2.
 
-What it drops is everything the runtime does to run any model: no drivers, jobs, turns, handles,
-promises or credit; the split, the messages and their order are written out for this MLP. The
+What it drops is everything the runtime does to run any model: no drivers, jobs, turns, handles
+or credit; the split, the messages and their order are written out for this MLP. The
 first stage's rank computes a loss as soon as its logits arrive: before each action, and while it
 waits for an action's input.
 
@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.mlp_pipeline import MICROBATCHES, Halves, make_batch, make_model, run_torch, timed  # noqa: E402
 from bench.rank_pool import RankPool  # noqa: E402
-from smpart.distributed.transport import ProcessTransport  # noqa: E402
 from smpart.runtime.schedule import FORWARD, schedule_named  # noqa: E402
+from smpart.runtime.wire.processes import ProcessTransport  # noqa: E402
 
 ACTIVATION, LOGITS, LOSS_GRADIENT, INPUT_GRADIENT = "activation", "logits", "loss gradient", "input gradient"
 WAIT_S = 60.0

@@ -177,7 +177,7 @@ class Echo:
 
 def transport_rank(rank: int, rounds: int) -> list[float]:
     """smpart's `ProcessTransport` alone (no runtime): the tensor in a small dataclass, echoed."""
-    from smpart.distributed.transport import ProcessTransport
+    from smpart.runtime.wire.processes import ProcessTransport
 
     group = dist.new_group(backend="gloo")
     transport = ProcessTransport(rank, 2, group, timeout_s=60)

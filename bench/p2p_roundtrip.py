@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from smpart.distributed.transport import ProcessTransport
+from smpart.runtime.wire.processes import ProcessTransport
 
 BLOCKS = 20
 

@@ -19,9 +19,8 @@ the step), alternating round by round so that a change in the machine's load hit
 smpart places the root module (the loop over the blocks) on stage 0.
 
 The activation is 2 rows of ``--width`` float32 per micro-batch: 8 (the default, 64 B) is at most
-`handles.SMALL_BYTES`, so every block's output travels with its reference and the root waits for
-each answer; 256 (2 KiB) is above it, so the root's calls are promised (`promises`) and it does
-not wait between them.
+`handles.SMALL_BYTES`, so on the reference runtime every block's output travels with its
+reference; 256 (2 KiB) is above it, so it stays on its stage until the next block fetches it.
 
     .venv/bin/python bench/pipeline_efficiency.py [--t-ms 5] [--microbatches 16] [--steps 5] [--rounds 2]
                                                   [--width 8]
@@ -93,7 +92,7 @@ def measure(schedule: str, stages: int, microbatches: int, seconds: float, steps
             programs: bool = True, where: str = "threads") -> tuple[list[float], list[float], str, float]:
     """Step times and bubble fractions of ``steps`` steps, where the last step's timeline was
     saved, and the CPU seconds per step of this process (all its threads). ``stages`` warm-up
-    steps go first: the first places the model, and holding (`smpart.runtime.gradients`) learns
+    steps go first: the first places the model, and holding (`smpart.runtime.reference.gradients`) learns
     its counts from the step before, so the first steps of ``stages`` stages repeat backward
     work (`bench/backward_work.py`)."""
     smpart.init(pipeline_parallel_degree=stages, microbatches=microbatches, pipeline=schedule,

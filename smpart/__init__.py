@@ -45,9 +45,9 @@ from smpart.runtime import (
     tp_rank,
     tp_size,
 )
-from smpart.runtime.activation_checkpointing import set_activation_checkpointing
-from smpart.runtime.boundary import register_carried_state
-from smpart.runtime.shares import ReplicaBatchSampler, replica_batch_size, replica_batch_sizes
+from smpart.runtime.placement.activation_checkpointing import set_activation_checkpointing
+from smpart.runtime.processes.shares import ReplicaBatchSampler, replica_batch_size, replica_batch_sizes
+from smpart.runtime.reference.boundary import register_carried_state
 from smpart.tensor_parallel import record_split_shares, set_tensor_parallelism, tensor_parallelism
 from smpart.tracing import tracer as _tracer
 from smpart.tracing.tree import DataEdge, ModuleNode, ModuleTree

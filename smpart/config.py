@@ -83,16 +83,10 @@ class Config:
     #: caller gets a handle), so activations cross each cut once per direction, as on a chain.
     #: False: every output crosses back to its caller as data. ``SMPART_HANDLES=0`` sets the default.
     output_handles: bool = field(default_factory=lambda: os.environ.get("SMPART_HANDLES", "1") != "0")
-    #: The transport's speed path: a message for an idle stage server is handled on the thread that
-    #: delivers it, not handed to the server's own thread (`smpart.runtime.transport`). Only speed
-    #: changes. ``SMPART_DIRECT_DISPATCH=0`` sets the default.
-    direct_dispatch: bool = field(
-        default_factory=lambda: os.environ.get("SMPART_DIRECT_DISPATCH", "1") != "0")
-    #: A stage calling another stage's module goes on without waiting for the answer when it can
-    #: predict it (`smpart.runtime.promises`); needs ``output_handles``. Only speed changes, unless a
-    #: module's output shapes depend on its data (then one step fails, naming it).
-    #: ``SMPART_PROMISES=0`` sets the default.
-    promised_calls: bool = field(default_factory=lambda: os.environ.get("SMPART_PROMISES", "1") != "0")
+    #: On the reference runtime, a stage holds back the gradients that reach a part of its graph
+    #: until every gradient message expected there is in, so that part runs its backward once
+    #: (`smpart.runtime.reference.gradients`). Only speed changes. ``SMPART_HOLDING=0`` sets the default.
+    gradient_holding: bool = field(default_factory=lambda: os.environ.get("SMPART_HOLDING", "1") != "0")
     #: From a model's second step on, every rank runs its part of the step as a fixed list of
     #: actions on one thread, with one-way transfers (`smpart.runtime.program`); the first step of
     #: each kind, and any step its program cannot run, runs on the reference runtime. Only speed
@@ -154,7 +148,7 @@ class Config:
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ConfigError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
                               f"got {self.placement_strategy!r}")
-        for switch in ("output_handles", "direct_dispatch", "promised_calls", "step_programs"):
+        for switch in ("output_handles", "gradient_holding", "step_programs"):
             if not isinstance(getattr(self, switch), bool):
                 raise ConfigError(f"{switch} must be True or False, got {getattr(self, switch)!r}")
         if self.backend not in BACKENDS:

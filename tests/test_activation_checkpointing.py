@@ -13,8 +13,8 @@ from torch import nn
 
 from examples.models import albert, gpt2, t5
 from smpart.errors import ConfigError
-from smpart.runtime.activation_checkpointing import REGISTRY as GLOBAL_REGISTRY
-from smpart.runtime.activation_checkpointing import (
+from smpart.runtime.placement.activation_checkpointing import REGISTRY as GLOBAL_REGISTRY
+from smpart.runtime.placement.activation_checkpointing import (
     CheckpointedForward,
     CheckpointRegistry,
     apply,

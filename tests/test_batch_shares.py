@@ -19,7 +19,7 @@ import torch
 
 import smpart
 from smpart.errors import ConfigError, SmpartError
-from smpart.runtime.shares import ReplicaBatchSampler, replica_batch_sizes, replica_weight
+from smpart.runtime.processes.shares import ReplicaBatchSampler, replica_batch_sizes, replica_weight
 from tests.launch import run_ranks, values
 from tests.test_processes_3d import _example
 from tests.test_runtime import train_step
@@ -38,7 +38,7 @@ def _train_with_shares(pp: int, tp: int, shares: list[float], zero: bool = False
     smpart.init(pipeline_parallel_degree=pp, tensor_parallel_degree=tp, microbatches=MICROBATCHES,
                 data_parallel_shares=shares, shard_optimizer_state=zero, timeout_s=60)
     if not weighted:  # what the replicas would do without the weighting: every weight 1
-        import smpart.runtime.processes as processes
+        import smpart.runtime.processes.runtime as processes
 
         processes.replica_weight = lambda shares, replica: 1.0
     model = smpart.DistributedModel(example.model)

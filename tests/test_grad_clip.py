@@ -11,7 +11,7 @@ from torch import nn
 
 from examples.models import gpt2
 from smpart.errors import SmpartError
-from smpart.runtime.grad_clip import clip_grad_norm_
+from smpart.runtime.processes.grad_clip import clip_grad_norm_
 from tests.launch import run_ranks, values
 
 

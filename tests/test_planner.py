@@ -481,7 +481,7 @@ def test_a_traced_model_is_planned_with_its_blocks_checkpointed():
     """End to end: a traced GPT on devices too small for its saved activations; the plan's config
     names modules that `checkpointed_names` resolves on the model itself."""
     from examples.models import gpt2
-    from smpart.runtime.activation_checkpointing import checkpointed_names
+    from smpart.runtime.placement.activation_checkpointing import checkpointed_names
     from smpart.tracing.tracer import trace
 
     example = gpt2(n_layer=12, n_embd=64, seq_len=64, batch_size=8)  # blocks stay whole layers

@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from smpart.distributed import wire
-from smpart.distributed.transport import PeerLost, ProcessTransport, pair_groups
 from smpart.errors import SmpartError
+from smpart.runtime.wire import frames as wire
+from smpart.runtime.wire.processes import PeerLost, ProcessTransport, pair_groups
 from tests.launch import run_ranks
 
 SENDERS_TO_ZERO = 80  # messages each of ranks 1 and 2 sends to rank 0 (who echoes every one)

@@ -324,7 +324,7 @@ def _takes_back_its_own(rank):
     """Eight layers and Adam trained on 4 stages, then on 2 stages x 2 replicas: which tensors each
     rank held before, which it holds after, which it took back under the second init, and the
     trained model against the unsplit one."""
-    import smpart.runtime.replicas as replicas
+    import smpart.runtime.processes.replicas as replicas
 
     taken: list[str] = []
     real_fill = replicas.fill_released
@@ -1063,7 +1063,7 @@ def _early_buckets(rank):
     gradient arriving after its bucket started (a count grown with the data), a bucket one replica
     started and the other has no gradient for, and a layer no replica used all still average
     exactly as one process on the global batch."""
-    from smpart.runtime import data_parallel
+    from smpart.runtime.processes import data_parallel
     from smpart.runtime.runtime import current_runtime
 
     data_parallel.BUCKET_BYTES = 100  # about a bucket per parameter

@@ -466,7 +466,7 @@ def _reads_its_own_keys(rank, pretrained, checkpoint):
     import transformers
 
     import smpart.checkpoint.stores as ckpt
-    import smpart.runtime.replicas as replicas
+    import smpart.runtime.processes.replicas as replicas
 
     read, received = [0], [0]
     real_read, real_broadcast = ckpt._SafetensorsStore.read, replicas._broadcast

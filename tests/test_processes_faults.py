@@ -189,8 +189,8 @@ class _Peerless:
 
 def test_a_peer_that_left_fails_only_the_steps_it_did_not_take_part_in():
     from smpart.errors import PeerLost
-    from smpart.runtime.messages import MAIN, Leaving
-    from smpart.runtime.processes import RoutedTransport
+    from smpart.runtime.wire.messages import MAIN, Leaving
+    from smpart.runtime.wire.routed import RoutedTransport
 
     transport = RoutedTransport(lambda deliver: _Peerless(), rank=0)
     transport._arrived((MAIN, Leaving(rank=1, steps=3)))  # rank 1 shut down after steps 0, 1 and 2

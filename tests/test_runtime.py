@@ -283,7 +283,7 @@ def test_activation_checkpointing_on_the_pipeline_keeps_gradients(schedule):
     # and the 2-stage cut are unchanged. Gradients equal those of the unsplit model without it.
     model, _, _ = train_and_compare(ZOO["gpt2"], 2, 2, schedule,
                                     activation_checkpointing=["transformer.h.*"])
-    from smpart.runtime.activation_checkpointing import is_checkpointed
+    from smpart.runtime.placement.activation_checkpointing import is_checkpointed
 
     blocks = [m for n, m in model.named_modules() if n.startswith("transformer.h.") and n.count(".") == 2]
     assert blocks and all(is_checkpointed(b) for b in blocks)

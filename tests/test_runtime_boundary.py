@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from smpart.errors import SmpartError
-from smpart.runtime import boundary
+from smpart.runtime.reference import boundary
 
 
 def arrive_and_collect(value, call_id=7):

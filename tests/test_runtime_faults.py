@@ -11,7 +11,7 @@ from torch import nn
 
 import smpart
 from smpart.errors import ConfigError, PipelineError, SmpartError
-from smpart.runtime.transport import ThreadTransport
+from smpart.runtime.wire.transport import ThreadTransport
 
 
 class Faulty(nn.Module):
@@ -240,10 +240,11 @@ class _CountingTransport(ThreadTransport):
 def _waiting_follower():
     """A tensor-parallel follower's stage in a step whose micro-batch 0 has a segment running, and
     a thread in which that segment waits for the gradient message its leader's consumed."""
-    from smpart.runtime.messages import BeginStep
+    from smpart.runtime.reference.scheduler import SEGMENT, Claim
+    from smpart.runtime.reference.stage import StageServer
+    from smpart.runtime.reference.stage_step import StageStep
     from smpart.runtime.schedule import BACKWARD, Action
-    from smpart.runtime.scheduler import SEGMENT, Claim
-    from smpart.runtime.stage import StageServer, StageStep
+    from smpart.runtime.wire.messages import BeginStep
 
     transport = _CountingTransport()
     server = StageServer(0, 1, 0, torch.device("cpu"), transport, lambda stage: 0, rank=1, tp_follower=True)
@@ -273,7 +274,7 @@ def test_a_tensor_parallel_follower_sleeps_until_its_leaders_gradients_come():
     lost peers every 50 ms."""
     from fractions import Fraction
 
-    from smpart.runtime.messages import Gradients
+    from smpart.runtime.wire.messages import Gradients
 
     server, run, transport, thread, outcome = _waiting_follower()
     time.sleep(0.5)
@@ -287,7 +288,7 @@ def test_a_tensor_parallel_follower_sleeps_until_its_leaders_gradients_come():
 
 @pytest.mark.timeout(30)
 def test_an_aborted_step_wakes_a_follower_waiting_for_its_leaders_gradients():
-    from smpart.runtime.scheduler import Cancelled
+    from smpart.runtime.reference.scheduler import Cancelled
 
     server, run, _, thread, outcome = _waiting_follower()
     time.sleep(0.2)

@@ -18,16 +18,16 @@ import torch
 import smpart
 from examples.models import ZOO
 from smpart.errors import SmpartError
-from smpart.runtime.boundary import Route
-from smpart.runtime.handles import Handle, HandleRef
+from smpart.runtime.reference.boundary import Route
+from smpart.runtime.reference.handles import Handle, HandleRef
 from tests.launch import run_ranks, values
 from tests.test_runtime import TOL, assert_same_grads, reference_step, train_step
 
 
 @pytest.fixture(autouse=True)
 def _reference_runtime(monkeypatch):
-    """These tests look inside the reference runtime (SMP's: requests, handles, promised calls,
-    holding, turns); with step programs on, steps after a model's first would run as programs."""
+    """These tests look inside the reference runtime (SMP's: requests, handles, holding,
+    turns); with step programs on, steps after a model's first would run as programs."""
     monkeypatch.setenv("SMPART_PROGRAMS", "0")
 
 
@@ -175,8 +175,8 @@ def _ping_pong_step(model, x):
 @pytest.mark.parametrize(("width", "fetches"), [(8, 0), (512, 3 * MICROBATCHES)])
 def test_a_small_output_comes_with_its_handle_and_needs_no_fetch(width, fetches):
     # 2 rows x 8 float64 = 128 B per output: under SMALL_BYTES; 2 x 512 x 8 = 8 KiB: over it.
-    from smpart.runtime.messages import Fetch
     from smpart.runtime.runtime import current_runtime
+    from smpart.runtime.wire.messages import Fetch
 
     reference = _PingPong(width)
     smpart.init(pipeline_parallel_degree=2, microbatches=MICROBATCHES, pin={"": 0, "local": 0, "remote": 1})
@@ -256,13 +256,11 @@ class _Through(torch.nn.Module):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("promised", [False, True])
-def test_a_custom_autograd_function_given_a_handle_sends_its_gradient_to_the_owner(promised):
+def test_a_custom_autograd_function_given_a_handle_sends_its_gradient_to_the_owner():
     torch.manual_seed(0)
     net = _Through()
     reference = copy.deepcopy(net)
-    smpart.init(pipeline_parallel_degree=2, microbatches=2, pin={"": 0, "outer": 0, "inner": 1},
-                promised_calls=promised)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, pin={"": 0, "outer": 0, "inner": 1})
     model = smpart.DistributedModel(net)
 
     @smpart.step
@@ -272,7 +270,7 @@ def test_a_custom_autograd_function_given_a_handle_sends_its_gradient_to_the_own
         return loss
 
     x = torch.randn(4, 4, dtype=torch.float64)
-    for _ in range(2):  # the second step's calls are promised (when that is on)
+    for _ in range(2):
         model.zero_grad()
         step(model, x)
     reference.zero_grad()

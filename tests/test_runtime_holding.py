@@ -23,8 +23,8 @@ from tests.launch import run_ranks, values
 
 @pytest.fixture(autouse=True)
 def _reference_runtime(monkeypatch):
-    """These tests look inside the reference runtime (SMP's: requests, handles, promised calls,
-    holding, turns); with step programs on, steps after a model's first would run as programs."""
+    """These tests look inside the reference runtime (SMP's: requests, handles, holding,
+    turns); with step programs on, steps after a model's first would run as programs."""
     monkeypatch.setenv("SMPART_PROGRAMS", "0")
 
 
@@ -40,13 +40,13 @@ SPLIT_BLOCK = {"": 0, "transformer": 0, "transformer.wte": 0, "transformer.wpe":
                "transformer.h.2": 1, "transformer.h.3": 1, "transformer.ln_f": 1}
 
 
-def _split_block_run(schedule: str) -> dict:
+def _split_block_run(schedule: str, **config) -> dict:
     """Train the split GPT-2 and the unsplit one side by side; per step, the worst gradient
     difference and the parameters (of this rank) accumulated more or fewer times than unsplit."""
     example = ZOO["gpt2"](dtype=torch.float64, n_layer=4)
     reference = copy.deepcopy(example.model)
     smpart.init(pipeline_parallel_degree=2, microbatches=MICROBATCHES, pipeline=schedule, pin=SPLIT_BLOCK,
-                timeout_s=60)
+                timeout_s=60, **config)
     model = smpart.DistributedModel(example.model)
 
     @smpart.step
@@ -91,6 +91,15 @@ def _assert_split_block(report: dict) -> None:
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_block_split_between_stages_runs_each_backward_once_per_microbatch(schedule):
     _assert_split_block(_split_block_run(schedule))
+
+
+@pytest.mark.timeout(120)
+def test_with_holding_off_the_gradients_are_the_same_and_the_work_repeats():
+    """``Config.gradient_holding=False`` turns the mechanism off: still the unsplit model's gradients,
+    and the blocks before the cut run their backward again at every step (nothing is held back)."""
+    report = _split_block_run("1f1b", gradient_holding=False)
+    assert max(report["grad"]) <= TOL, report["grad"]
+    assert all(report["miscounted"]), report["miscounted"]
 
 
 @pytest.mark.timeout(120)
@@ -152,8 +161,8 @@ def test_the_blocked_part_is_what_lies_upstream_of_calls_still_expecting_a_messa
     the parameter ``w`` (a leaf) blocks nothing."""
     from torch.autograd.graph import get_gradient_edge
 
-    from smpart.runtime.gradients import Holding
-    from smpart.runtime.messages import Gradients
+    from smpart.runtime.reference.gradients import Holding
+    from smpart.runtime.wire.messages import Gradients
 
     w = torch.ones(2, requires_grad=True)
     b = (w * 2).exp()
@@ -182,7 +191,7 @@ def test_holding_walks_each_kept_calls_graph_once_however_many_calls_a_stage_mak
     for every gradient message: O(n²) made `bench/overhead.py`'s thread round trip 3x slower."""
     from bench.overhead import PINS, PingPong
     from bench.overhead import train_step as ping_pong_step
-    from smpart.runtime import gradients
+    from smpart.runtime.reference import gradients
 
     walked: list[int] = []
     upstream = gradients._upstream

@@ -24,16 +24,16 @@ import torch
 from torch import nn
 
 import smpart
-from smpart.runtime.messages import STAGE, Batch, ForwardDone, Gradients
+from smpart.runtime.reference.scheduler import NEW, Claim, StageScheduler
 from smpart.runtime.runtime import current_runtime
 from smpart.runtime.schedule import FORWARD, Action, schedule_named
-from smpart.runtime.scheduler import NEW, SEGMENT, Claim, StageScheduler
+from smpart.runtime.wire.messages import STAGE, Batch, ForwardDone, Gradients
 
 
 @pytest.fixture(autouse=True)
 def _reference_runtime(monkeypatch):
-    """These tests look inside the reference runtime (SMP's: requests, handles, promised calls,
-    holding, turns); with step programs on, steps after a model's first would run as programs."""
+    """These tests look inside the reference runtime (SMP's: requests, handles, holding,
+    turns); with step programs on, steps after a model's first would run as programs."""
     monkeypatch.setenv("SMPART_PROGRAMS", "0")
 
 
@@ -327,45 +327,3 @@ def test_a_tensor_parallel_follower_grants_its_turn_in_its_leaders_order():
     for thread in threads:
         thread.join(10)
     assert granted == leader_order
-
-
-@pytest.mark.timeout(30)
-def test_a_reserved_call_holds_back_later_actions_until_it_asks_or_withdraws():
-    """Stage 1 of 2 under 1F1B: ``F0 F1 B0 ...``. The second call of F1 waits for the first one's
-    output (a promised chain), so it is reserved, not yet asking; B0's segment, waiting, must not
-    slip in between the two calls. A withdrawn reservation (its call failed) lets B0 go."""
-    scheduler = StageScheduler(schedule_named("1f1b").actions(1, 2, 4))
-    granted: list[str] = []
-
-    def work(claim: Claim) -> threading.Thread:
-        def run() -> None:
-            scheduler.acquire(claim, 10, lambda: "test")
-            granted.append(f"{claim.action}/{claim.seq}")
-            scheduler.release(claim)
-        thread = threading.Thread(target=run)
-        thread.start()
-        return thread
-
-    def settle() -> None:
-        time.sleep(0.1)
-
-    for mb, seq in ((0, 0), (0, 1), (1, 0)):  # F0 made two calls here, as F1 will
-        work(Claim(Action(FORWARD, mb), NEW, seq)).join(10)
-    chained = Claim(Action(FORWARD, 1), NEW, 1)
-    scheduler.reserve(chained)
-    backward = work(Claim(Action("B", 0), SEGMENT))
-    settle()
-    assert granted == ["F0/0", "F0/1", "F1/0"], "B0 waits while a call of F1 is reserved"
-    work(chained).join(10)
-    backward.join(10)
-    assert granted == ["F0/0", "F0/1", "F1/0", "F1/1", "B0/0"]
-
-    failed = Claim(Action(FORWARD, 2), NEW, 2)
-    work(Claim(Action(FORWARD, 2), NEW, 0)).join(10)
-    scheduler.reserve(failed)
-    backward = work(Claim(Action("B", 1), SEGMENT))
-    settle()
-    assert granted[-1] == "F2/0"
-    scheduler.withdraw(failed)
-    backward.join(10)
-    assert granted[-1] == "B1/0"

@@ -8,7 +8,7 @@ from torch import nn
 
 from examples.models import albert, gpt2, t5
 from smpart.errors import ConfigError
-from smpart.runtime.activation_checkpointing import apply, checkpointed_names, remove
+from smpart.runtime.placement.activation_checkpointing import apply, checkpointed_names, remove
 from smpart.tracing.tracer import recomputes_forward, trace
 from smpart.tracing.tree import ModuleTree, with_activation_checkpointing
 

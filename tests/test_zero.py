@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from smpart.runtime.zero import owners
+from smpart.runtime.processes.zero import owners
 
 
 def test_by_hand():

@@ -1,1 +1,1 @@
-"""One process per stage: launching, the layout of ranks, the process transport."""
+"""Launching under torchrun: the layout of ranks, process groups, checking devices, attendance."""

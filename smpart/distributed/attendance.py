@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from smpart.errors import SmpartError
+from smpart.runtime.wire.processes import _default_store
 
 _generations = itertools.count()  # per Attendance with a store made in this process (one per init)
 
@@ -33,8 +34,6 @@ class Attendance:
     def __init__(self, rank: int, describe_rank: Any = None, store: Any = None) -> None:
         """``store``: the c10d store (default: the default group's); False: none, the waits are
         bounded but name nobody."""
-        from smpart.distributed.transport import _default_store
-
         self.rank = rank
         self.store = _default_store() if store is None else (store or None)
         # every rank makes one per init, in the same order: the same keys everywhere

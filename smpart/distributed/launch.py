@@ -5,7 +5,7 @@ It initialises the default process group from the launcher's environment (``env:
 user already did (then it is reused and left alone), checks that every rank asked for the same
 configuration and that the world size fits it, picks each rank's device, and makes a gloo group of
 its own for the process transport (its headers always travel on gloo; see
-`smpart.distributed.transport`).
+`smpart.runtime.wire.processes`).
 
 Devices. Under NCCL each process owns one GPU, the ``LOCAL_RANK``-th, so ``backend="auto"`` picks
 NCCL only when the machine has a GPU for every local process (``LOCAL_WORLD_SIZE``); with fewer it
@@ -33,8 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from smpart.config import Config
 from smpart.distributed.device_check import check_rank_devices
-from smpart.distributed.transport import pair_groups
 from smpart.errors import ConfigError
+from smpart.runtime.wire.processes import pair_groups
 
 
 def launched_with_processes() -> bool:

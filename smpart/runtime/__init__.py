@@ -26,11 +26,12 @@ from smpart.runtime.ranks import (
     tp_rank,
     tp_size,
 )
-from smpart.runtime.runtime import init, partition_of, program_of, set_partition, shutdown
+from smpart.runtime.runtime import partition_of, program_of, set_partition
 from smpart.runtime.schedule import Schedule, schedule_named
+from smpart.runtime.session import init, shutdown
 from smpart.runtime.step_function import step
 from smpart.runtime.timeline import Timeline
-from smpart.runtime.transport import ThreadTransport, Transport
+from smpart.runtime.wire.transport import ThreadTransport, Transport
 
 __all__ = [
     "Schedule",

@@ -16,13 +16,21 @@ process already shares them, and every rank runs the same script.
 nothing is set, or only ``no_grad``, it returns one shared instance instead of building a new one;
 `Ambient.applied` enters nothing when the thread already runs under the same state. An `Ambient` is
 a frozen dataclass of plain values, so it pickles into a process transport's message header.
+
+One more per-thread setting is inherited, not carried: torch's intra-op thread count is per thread
+under OpenMP, so ``torch.set_num_threads(1)`` in a rank's main thread (what torchrun's
+``OMP_NUM_THREADS=1`` is for) does not reach threads started later, and a stage's worker running a
+matmul would fan out over every core while the idle OpenMP workers spin. `compute_thread` starts
+its target with its creator's count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -100,3 +108,15 @@ def _autocast_cache(enabled: bool) -> Iterator[None]:
         yield
     finally:
         torch.set_autocast_cache_enabled(before)
+
+
+def compute_thread(target: Callable[..., Any], name: str, *args: Any) -> threading.Thread:
+    """A daemon thread (not started) running ``target(*args)`` with the calling thread's
+    ``torch.get_num_threads()``."""
+    count = torch.get_num_threads()
+
+    def run() -> None:
+        torch.set_num_threads(count)  # unconditionally: a new thread may report the count, not use it
+        target(*args)
+
+    return threading.Thread(target=run, name=name, daemon=True)

@@ -20,7 +20,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from smpart.errors import SmpartError
 from smpart.runtime.model import DistributedModel
 from smpart.runtime.optimizer import DistributedOptimizer
-from smpart.runtime.runtime import init, partition_of, shutdown
+from smpart.runtime.runtime import partition_of
+from smpart.runtime.session import init, shutdown
 from smpart.runtime.step_function import step
 from smpart.viz import show
 

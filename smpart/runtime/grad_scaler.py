@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
-from smpart.runtime.runtime import running_runtime
+from smpart.runtime.runtime import process_setup
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -77,7 +77,7 @@ def _gradients_device(optimizer: torch.optim.Optimizer) -> torch.device:
 
 def _job_group() -> Any:
     """smpart's own gloo group over every rank of a ``torchrun`` job; None on threads or alone."""
-    setup = getattr(running_runtime(), "setup", None)
+    setup = process_setup()
     if setup is None or setup.world_size == 1:
         return None
     return setup.collective_group

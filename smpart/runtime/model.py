@@ -18,8 +18,8 @@ from torch import nn
 
 from smpart.errors import SmpartError
 from smpart.partitioning.result import Partition
-from smpart.runtime.calls import current_frame, holds_meta, only_inside_a_step
-from smpart.runtime.driver import Driver
+from smpart.runtime.reference.calls import current_frame, holds_meta, only_inside_a_step
+from smpart.runtime.reference.driver import Driver
 
 _model_ids = itertools.count()
 _models: weakref.WeakValueDictionary[int, DistributedModel] = weakref.WeakValueDictionary()
@@ -149,7 +149,7 @@ class DistributedModel:
         runtime = self._runtime
         if runtime is None and not self._released and (holds_meta(self.module) or self._loaded_later):
             return self._state_before_placement()  # built on meta, or a load waits: not placed
-        if getattr(runtime, "state_group", None) is None:  # threads, or not placed: every entry is here
+        if runtime is None or runtime.state_group is None:  # threads, or not placed: every entry is here
             return self._own_state()
         if runtime.layout.tp == 1:
             merged = {k: v for part in runtime.gather_state("model", self.model_id, self._own_state())

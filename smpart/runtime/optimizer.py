@@ -16,6 +16,10 @@ from typing import Any
 import torch
 
 from smpart.errors import SmpartError
+from smpart.runtime.placement.place import adopt_replacements
+from smpart.runtime.processes.grad_clip import clip_grad_norm_, model_parallel_groups
+from smpart.runtime.processes.zero import ShardedState
+from smpart.runtime.runtime import process_setup, running_runtime
 
 _optimizer_ids = itertools.count()
 _optimizers: weakref.WeakValueDictionary[int, DistributedOptimizer] = weakref.WeakValueDictionary()
@@ -70,19 +74,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sharded = self._sharded_state()
         result = self.optimizer.step(closure)
         if sharded is not None:
-            from smpart.runtime.runtime import running_runtime
-
-            steps = getattr(running_runtime(), "steps_taken", 1)
+            steps = running_runtime().steps_taken
             sharded.broadcast(max(0, steps - 1))  # after the last step
         return result
 
     def _sharded_state(self) -> Any:
         if self._sharded is None:
-            from smpart.runtime.runtime import running_runtime
-            from smpart.runtime.zero import ShardedState
-
             runtime = running_runtime()
-            setup = getattr(runtime, "setup", None)
+            setup = process_setup()
             if setup is not None and runtime.config.shard_optimizer_state and setup.layout.dp > 1:
                 self._sharded = ShardedState(self.optimizer, setup.dp_group, setup.layout.dp,
                                              runtime.attendance, runtime.config.timeout_s)
@@ -97,8 +96,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _adopt_replaced_parameters(self) -> None:
         """Hold the parameters placement put in place of others (`placement.REPLACED`) before
         anything reads them, not only at a step."""
-        from smpart.runtime.placement import adopt_replacements
-
         adopt_replacements(self.optimizer)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -106,10 +103,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Clip every gradient by the norm over the whole model (all stages, all shards), counting
         a tied or replicated parameter once; returns the total norm, as the unsplit model's
         ``torch.nn.utils.clip_grad_norm_`` would. Under ``torchrun`` every rank must call it."""
-        from smpart.runtime.grad_clip import clip_grad_norm_, model_parallel_groups
-        from smpart.runtime.runtime import running_runtime
-
-        groups, replicated_over = model_parallel_groups(getattr(running_runtime(), "setup", None))
+        groups, replicated_over = model_parallel_groups(process_setup())
         self._adopt_replaced_parameters()
         params = self._all_parameters()
         return clip_grad_norm_(params, max_norm, norm_type, groups=groups or None,
@@ -189,10 +183,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _process_runtime() -> Any:
         """The running process runtime once it placed a model (this rank then holds a stage only)."""
-        from smpart.runtime.runtime import running_runtime
-
         runtime = running_runtime()
-        placed = getattr(runtime, "setup", None) is not None and runtime.models
+        placed = runtime is not None and runtime.setup is not None and runtime.models
         return runtime if placed else None
 
     def add_param_group(self, group: dict[str, Any]) -> None:

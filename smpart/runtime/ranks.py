@@ -13,11 +13,11 @@ import os
 import torch.distributed as dist
 
 from smpart.errors import SmpartError
-from smpart.runtime.runtime import running_runtime
+from smpart.runtime.runtime import process_layout, process_setup, running_runtime
 
 
 def _layout():
-    return getattr(running_runtime(), "layout", None)
+    return process_layout()
 
 
 def rank() -> int:
@@ -77,7 +77,7 @@ def barrier() -> None:
     """Wait until every rank gets here (a no-op on threads): at most ``Config.timeout_s``, then an
     `SmpartError` naming the ranks that did not come."""
     runtime = running_runtime()
-    group = getattr(runtime, "state_group", None)
+    group = None if runtime is None else runtime.state_group
     if group is None:
         return
     try:
@@ -90,7 +90,7 @@ def barrier() -> None:
 
 
 def _setup():
-    return getattr(running_runtime(), "setup", None)
+    return process_setup()
 
 
 def device_mesh():

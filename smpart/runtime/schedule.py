@@ -4,7 +4,7 @@ A schedule is a list of *actions* per stage: ``F3`` is "the forward work of micr
 this stage", ``B3`` its backward work. The list is computed before the step runs, can be printed
 (`Schedule.describe`) and tested, and the runtime follows it: a stage starts an action only
 when every action before it in its list has started, or can no longer happen (see
-`smpart.runtime.scheduler`). A timeline of a real run therefore starts its spans in list order.
+`smpart.runtime.reference.scheduler`). A timeline of a real run therefore starts its spans in list order.
 
 An action may span several pieces of work: a stage whose module is called several times for one
 micro-batch, or a backward that reaches the stage in several gradient messages, runs every piece

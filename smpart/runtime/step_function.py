@@ -17,7 +17,7 @@ from torch import nn
 from smpart.errors import SmpartError
 from smpart.runtime.microbatches import StepOutput, batch_samples, split_arguments, step_outputs
 from smpart.runtime.model import DistributedModel
-from smpart.runtime.placement import keep_hf_checkpoints_within_stages
+from smpart.runtime.placement.place import keep_hf_checkpoints_within_stages
 from smpart.runtime.runtime import current_runtime
 
 

@@ -95,7 +95,7 @@ def init(config: dict[str, Any] | None = None) -> _config.SMPConfig:
     state.cfg, state.model, state.optimizer = cfg, None, None  # a new job: its model is made after
     _runtime_api.init(_config.to_config(cfg))
     runtime = _running_runtime()
-    if getattr(runtime, "layout", None) is not None:
+    if runtime is not None and runtime.layout is not None:
         GROUPS.make_all(runtime)
     state.initialized = True
     return cfg

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from smpart.errors import SmpartError
 from smpart.runtime.ranks import local_rank, rank, size  # noqa: F401 - SMP's names too
-from smpart.runtime.runtime import running_runtime
+from smpart.runtime.runtime import process_layout, running_runtime
 
 
 class CommGroup(enum.Enum):
@@ -71,7 +71,7 @@ PP_RANK, TP_RANK, RDP_RANK = RankType.PP_RANK, RankType.TP_RANK, RankType.RDP_RA
 
 # ==================================================================== who is in which group
 def _layout() -> Any:
-    return getattr(running_runtime(), "layout", None)
+    return process_layout()
 
 
 def _axes(kind: CommGroup) -> tuple[str, ...]:

@@ -19,8 +19,10 @@ from torch.utils.hooks import RemovableHandle
 
 import smpart.runtime as runtime_api
 from smpart.errors import SmpartError
-from smpart.runtime.activation_checkpointing import set_activation_checkpointing as _set_checkpointing
 from smpart.runtime.grad_scaler import GradScaler
+from smpart.runtime.placement.activation_checkpointing import (
+    set_activation_checkpointing as _set_checkpointing,
+)
 from smpart.runtime.runtime import running_runtime
 from smpart.smp import groups
 from smpart.smp.config import say_once

@@ -22,13 +22,12 @@ checkpoint. A region is live while the generator still holds the stream it set (
 token): once the state was put back by someone else (a checkpoint's ``fork_rng``, the next step's
 shared state) the region is over and is not restored twice.
 
-The runtime keeps regions within a stage's turn: a call to another stage leaves the region (its
-row partner may be there, and what follows the call draws alike again); a call that gives the
-turn back mid-region (to wait for a promised tensor) suspends it and resumes it with the turn
-(`suspend` / `resume`), since the other work this stage runs meanwhile draws from the shared
-stream; the end of a call leaves any region still open. A step program does the same with a
-micro-batch that stops mid-body (its suspension takes the region with it), a call to a module
-another rank holds, and the end of the body.
+The reference runtime keeps regions within a stage's turn: a call to another stage leaves the
+region (its row partner may be there, and what follows the call draws alike again), and the end
+of a call leaves any region still open. A step program does the same with a call to a module
+another rank holds and the end of the body, and a micro-batch that stops mid-body suspends its
+region and resumes it with the micro-batch (`suspend` / `resume`), since the other work the rank
+runs meanwhile draws from the shared stream.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ proportion (autograd runs backward as one graph, not module by module).
 
 **Activation checkpointing.** Each call's inputs are sized too (``checkpoint_bytes``: what
 checkpointing the module would keep, `with_activation_checkpointing`). A model traced with
-checkpointing already installed (`smpart.runtime.activation_checkpointing`, recognised by the
+checkpointing already installed (`smpart.runtime.placement.activation_checkpointing`, recognised by the
 `RECOMPUTED_FORWARD` mark on a module's instance ``forward``) is counted as it trains: inside a
 checkpointed module autograd saves nothing the counter sees, the module itself is charged its
 inputs, and its subtree is marked ``recomputed``. Its measured backward includes the
@@ -60,7 +60,7 @@ from smpart.tracing.tree import (
 
 META = torch.device("meta")
 #: Attribute set (true) on a module's instance ``forward`` whose activations are recomputed in
-#: the backward instead of kept (`smpart.runtime.activation_checkpointing.CheckpointedForward`).
+#: the backward instead of kept (`smpart.runtime.placement.activation_checkpointing.CheckpointedForward`).
 RECOMPUTED_FORWARD = "smpart_recomputed"
 
 _tracing = threading.local()

@@ -33,11 +33,13 @@ from greenlet import getcurrent, greenlet
 
 from smpart.errors import PipelineError, SmpartError
 from smpart.runtime import ambient as ambient_state
-from smpart.runtime.calls import current_frame, running
 from smpart.runtime.program.actions import Action, Program
-from smpart.runtime.program.glue import Backward, Diverged, GlueMode, MicrobatchRun, send_final_leaves
-from smpart.runtime.program.templates import UNPREDICTABLE, call_key
-from smpart.runtime.scheduler import Cancelled
+from smpart.runtime.program.glue import Backward, GlueMode, MicrobatchRun, send_final_leaves
+from smpart.runtime.program.messages import ProgramAbort, Transfers
+from smpart.runtime.program.templates import UNPREDICTABLE, Diverged, call_key
+from smpart.runtime.reference import calls
+from smpart.runtime.reference.calls import current_frame, running
+from smpart.runtime.reference.scheduler import Cancelled
 from smpart.tensor_parallel import streams
 
 POLL_S = 0.05
@@ -161,8 +163,6 @@ def _set_ambient(state: ambient_state.Ambient) -> None:
 
 
 def _set_frame(frame: Any) -> None:
-    from smpart.runtime import calls
-
     calls._local.frame = frame
 
 
@@ -480,8 +480,6 @@ class ProcessWire:
         self.sent_bytes: dict[int, int] = {}
 
     def send(self, to: int, items: list[tuple]) -> None:
-        from smpart.runtime.program.messages import Transfers
-
         place = self.place_of(to)
         self.transport.send(self.rank, (place, self.endpoint), Transfers(self.step, items))
         self.messages[to] = self.messages.get(to, 0) + 1
@@ -489,8 +487,6 @@ class ProcessWire:
         self.sent_bytes[to] = self.sent_bytes.get(to, 0) + size
 
     def receive(self, key: tuple, src: int) -> tuple[torch.Tensor | None, bool]:
-        from smpart.runtime.program.messages import ProgramAbort, Transfers
-
         deadline = time.monotonic() + self.timeout_s
         while key not in self.got:
             message = self.inbox(POLL_S)

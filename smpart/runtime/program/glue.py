@@ -33,6 +33,10 @@ every gradient crosses once, whole, and each rank's graph is walked once per roo
 A rank that meets something else than the recorded program (another module, a transfer the
 others do not make) raises `Diverged` before it sends or waits: the step then runs on the
 reference runtime (`guards`).
+
+The file is long (800 lines) because `MicrobatchRun` is one state machine over one micro-batch's
+body (avail sets, transfers, roots and leaves, the placeholder evaluation): split, its rules
+would be read in pieces that only make sense together.
 """
 
 from __future__ import annotations
@@ -45,11 +49,11 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from smpart.errors import SmpartError
-from smpart.runtime import boundary
 from smpart.runtime.ambient import capture
-from smpart.runtime.calls import Frame, as_pipeline_error, running
 from smpart.runtime.program.placeholder import METADATA, LazyNode, Placeholder, holders, lowest, meta_of
-from smpart.runtime.program.templates import UNPREDICTABLE, OutputTemplate, call_key
+from smpart.runtime.program.templates import UNPREDICTABLE, Diverged, OutputTemplate, call_key
+from smpart.runtime.reference import boundary
+from smpart.runtime.reference.calls import Frame, as_pipeline_error, running
 from smpart.tensor_parallel import streams
 
 _AT = "_smpart_at"  # a tensor this rank made inside a micro-batch: (avail, pos, run)
@@ -107,18 +111,6 @@ RANDOM = frozenset({
 })
 
 _GRAD = _T.grad.__get__  # type: ignore[attr-defined]
-
-
-class Diverged(SmpartError):
-    """This rank's glue did something else than the recorded program (or than the others);
-    ``rerecord``: a reference step recording anew may give it a program (a call not seen yet)."""
-
-    def __init__(self, why: str, rerecord: bool = False) -> None:
-        super().__init__(why)
-        self.rerecord = rerecord
-
-    def __reduce__(self) -> tuple:
-        return (Diverged, (str(self), self.rerecord))
 
 
 class GlueMode(TorchFunctionMode):

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from smpart.runtime.model import DistributedModel
+from smpart.runtime.placement.place import module_stages, ranks_of
 from smpart.runtime.program.templates import UNPREDICTABLE, signature
 
 #: A key that diverged this many times runs on the reference runtime from then on.
@@ -59,8 +61,6 @@ class ModelPrograms:
     """A placed model's programs under one ``init``: templates, keys, programs, divergences."""
 
     def __init__(self, model: Any, partition: Any, stage_of_rank: Any = None) -> None:
-        from smpart.runtime.placement import module_stages, ranks_of
-
         self.model_id = model.model_id
         stages = module_stages(model.module, partition)
         self.size = ranks_of(partition)
@@ -183,8 +183,6 @@ def tensor_owners(model: nn.Module, stages: dict[str, int]) -> dict[int, int]:
 
 def step_key(fn: Any, pieces: list[tuple[tuple, dict]], config: Any, ambient: Any, model: Any) -> Any:
     """What a program depends on, as a hashable key."""
-    from smpart.runtime.model import DistributedModel
-
     def inputs(piece: tuple) -> tuple:
         args, kwargs = piece
         return signature(

@@ -7,7 +7,9 @@ ran and why (``timeline.runtime``, ``timeline.reason``). Under ``torchrun`` the 
 `processes`, with the decision sent from the first stage's rank.
 
 On threads every stage runs its list on a thread of its own (stage 0 on the caller's), with
-transfers passed by reference between them (`executor.ThreadWire`).
+transfers passed by reference between them (`executor.ThreadWire`). The file holds the step on
+both runtimes (650 lines): `ThreadProgramStep` and `ProcessProgramStep` make the same decisions
+in the same order, and side by side a change to one is seen to need the other.
 """
 
 from __future__ import annotations
@@ -22,15 +24,16 @@ from typing import Any
 
 import torch
 
-from smpart.errors import SmpartError
-from smpart.runtime.ambient import Ambient, capture
+from smpart.errors import PipelineError, SmpartError
+from smpart.runtime.ambient import Ambient, capture, compute_thread
 from smpart.runtime.program import templates
 from smpart.runtime.program.actions import Program, RankShape, build
-from smpart.runtime.program.executor import Aborted, RankReport, RankRun, ThreadWire
-from smpart.runtime.program.glue import Diverged
+from smpart.runtime.program.executor import Aborted, ProcessWire, RankReport, RankRun, ThreadWire
 from smpart.runtime.program.guards import Decision, ModelPrograms, Snapshot, step_key
-from smpart.runtime.threads import compute_thread
+from smpart.runtime.program.messages import PROGRAM, BeginProgram, ProgramAbort, ProgramReport
+from smpart.runtime.program.templates import Diverged
 from smpart.runtime.timeline import Timeline
+from smpart.runtime.wire.messages import MAIN
 
 
 @dataclass
@@ -334,7 +337,7 @@ class ProgramThread:
 
 
 def program_threads(runtime: Any, size: int) -> list[ProgramThread]:
-    pool = runtime.__dict__.setdefault("program_threads", [])
+    pool = runtime.program_threads
     with _pool_lock:
         while len(pool) < size - 1:
             pool.append(ProgramThread(len(pool) + 1))
@@ -452,9 +455,6 @@ class ProcessProgramStep:
     def lead(
         self, pieces: list[tuple[tuple, dict]]
     ) -> tuple[list[Any], Timeline, list[RankReport]]:
-        from smpart.runtime.messages import MAIN
-        from smpart.runtime.program.messages import BeginProgram, ProgramReport
-
         runtime, step = self.runtime, self.step
         scale = 1.0 / len(pieces) if runtime.config.average_grads_across_microbatches else 1.0
         programs = self.programs
@@ -535,8 +535,6 @@ class ProcessProgramStep:
         """Run this rank's part of the program ``begin`` announced, and report to its sender;
         ``own``: this rank's own call's micro-batches (its objects that are neither tensors nor
         plain values stand in for the first rank's)."""
-        from smpart.runtime.program.messages import ProgramReport
-
         runtime = self.runtime
         first_rank = 1 << 0
         device = runtime.setup.device
@@ -586,9 +584,6 @@ class ProcessProgramStep:
     def _run(
         self, inputs: Callable, scale: float, microbatches: int
     ) -> tuple[RankReport, BaseException | None, Any]:
-        from smpart.runtime.program.executor import ProcessWire
-        from smpart.runtime.program.messages import PROGRAM
-
         runtime = self.runtime
         context = RankContext.of(self.programs, self.me, runtime.stage, runtime.setup.device, runtime.rank)
         address = (runtime.rank, PROGRAM)
@@ -613,8 +608,6 @@ class ProcessProgramStep:
             return run.report, err, wire
 
     def _abort_others(self, err: BaseException) -> None:
-        from smpart.runtime.program.messages import PROGRAM, ProgramAbort
-
         runtime = self.runtime
         why = f"pipeline rank {self.me} (rank {runtime.rank}) gave up the step: {type(err).__name__}: {err}"
         abort = ProgramAbort(self.step, why, isinstance(err, Diverged))
@@ -651,8 +644,6 @@ def follow(runtime: Any, begin: Any, fn: Callable, model: Any, pieces: list[tupl
 
 
 def _shippable(error: BaseException, rank: int) -> BaseException:
-    from smpart.errors import PipelineError
-
     if isinstance(error, SmpartError):
         return error
     return PipelineError(f"the step failed on rank {rank}: {type(error).__name__}: {error}", rank=rank)

@@ -10,7 +10,7 @@ records one (`guards`).
 `Recorder` watches the reference step: every call of a whole module made from the glue (the
 body, or a module the partition split) is a *boundary call*; the rank running it records its
 template. A call whose micro-batches disagree (a shape that depends on the data) is marked
-unpredictable, and a program never promises its output.
+unpredictable, and a program never predicts its output.
 """
 
 from __future__ import annotations
@@ -22,11 +22,25 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from smpart.runtime import boundary
+from smpart.errors import SmpartError
 from smpart.runtime.ambient import capture
+from smpart.runtime.program.placeholder import Placeholder
+from smpart.runtime.reference import boundary
 
 #: A template of a call whose output changed between micro-batches: never replayed.
 UNPREDICTABLE = "unpredictable"
+
+
+class Diverged(SmpartError):
+    """This rank's glue did something else than the recorded program (or than the others);
+    ``rerecord``: a reference step recording anew may give it a program (a call not seen yet)."""
+
+    def __init__(self, why: str, rerecord: bool = False) -> None:
+        super().__init__(why)
+        self.rerecord = rerecord
+
+    def __reduce__(self) -> tuple:
+        return (Diverged, (str(self), self.rerecord))
 
 
 @dataclass(frozen=True)
@@ -69,9 +83,6 @@ class OutputTemplate:
         """The outputs as placeholders held by ``avail`` (made at transfer count ``pos``, the outputs
         of lazy ``node`` if given); ``own``: a value of the same structure whose leaves stand in for
         those a template cannot rebuild (a rank's own step arguments)."""
-        from smpart.runtime.program.glue import Diverged
-        from smpart.runtime.program.placeholder import Placeholder
-
         fill = None
         if own is not None:  # this rank's own value of the same structure fills the opaque leaves
             fill, spec = pytree.tree_flatten(own)

@@ -12,10 +12,8 @@ partitions (on the meta device where it can), sends the `Partition` to every ran
 `PlaceModel` message and waits until all have placed it. Each rank keeps its own stage's
 modules and releases the others' tensors to the meta device.
 
-`RoutedTransport` puts the runtime's ``(place, endpoint)`` addresses on top of the rank-to-rank
-`smpart.distributed.transport.ProcessTransport`: the thread that receives a message from a peer
-puts it straight into the queue of its endpoint; messages between endpoints of one rank never
-leave it.
+The transport is a `smpart.runtime.wire.routed.RoutedTransport`: the runtime's
+``(place, endpoint)`` addresses over the rank-to-rank `smpart.runtime.wire.processes.ProcessTransport`.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ import gc
 import hashlib
 import itertools
 import math
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -38,25 +35,13 @@ import torch.utils._pytree as pytree
 from smpart.config import Config
 from smpart.distributed.attendance import Attendance
 from smpart.distributed.launch import Setup, release_groups, setup
-from smpart.distributed.transport import ProcessTransport
-from smpart.errors import PeerLost, PipelineError, SmpartError
-from smpart.runtime import torch_clip
-from smpart.runtime.data_parallel import CHECK, GradientReducer, ordinal, stage_parameters
-from smpart.runtime.messages import (
-    MAIN,
-    STAGE,
-    Address,
-    Leaving,
-    Placed,
-    PlaceModel,
-    StateRequest,
-    StepResult,
-)
-from smpart.runtime.placement import place_on_rank, unplace
-from smpart.runtime.program import steps as program_steps
-from smpart.runtime.program import templates
-from smpart.runtime.program.messages import PROGRAM, BeginProgram
-from smpart.runtime.replicas import (
+from smpart.errors import PipelineError, SmpartError
+from smpart.runtime.model import DistributedModel, model_by_id
+from smpart.runtime.optimizer import optimizer_by_id, optimizers_over
+from smpart.runtime.placement.place import module_stages, place_on_rank, remember_replacement, unplace
+from smpart.runtime.processes import torch_clip
+from smpart.runtime.processes.data_parallel import CHECK, GradientReducer, ordinal, stage_parameters
+from smpart.runtime.processes.replicas import (
     all_gather_objects,
     check_same_model,
     initialisation_seed,
@@ -65,11 +50,26 @@ from smpart.runtime.replicas import (
     share_buffers,
     share_random_state,
 )
-from smpart.runtime.shares import check_batch_shares, replica_weight
-from smpart.runtime.stage import POLL_S, StageServer
-from smpart.runtime.state_exchange import StateExchange
-from smpart.runtime.step_run import StepRun
-from smpart.runtime.transport import Transport
+from smpart.runtime.processes.shares import check_batch_shares, replica_weight
+from smpart.runtime.processes.state_exchange import StateExchange
+from smpart.runtime.program import steps as program_steps
+from smpart.runtime.program import templates
+from smpart.runtime.program.messages import PROGRAM, BeginProgram
+from smpart.runtime.reference.stage import StageServer
+from smpart.runtime.reference.step_run import StepRun
+from smpart.runtime.reference.workers import POLL_S
+from smpart.runtime.runtime import Runtime, partition_for
+from smpart.runtime.wire.messages import (
+    MAIN,
+    Address,
+    Placed,
+    PlaceModel,
+    StateRequest,
+    StepResult,
+)
+from smpart.runtime.wire.processes import ProcessTransport
+from smpart.runtime.wire.routed import RoutedTransport
+from smpart.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel, splittable_fraction
 
 if TYPE_CHECKING:
     from smpart.runtime.model import DistributedModel
@@ -77,103 +77,7 @@ if TYPE_CHECKING:
 _placements = itertools.count()
 
 
-class RoutedTransport(Transport):
-    """``(place, endpoint)`` addresses over a rank-to-rank `ProcessTransport` (place = rank)."""
-
-    def __init__(self, make_inner: Callable[[Callable[[Any], None]], ProcessTransport], rank: int,
-                 direct: bool = False) -> None:
-        super().__init__(direct)
-        self.rank = rank
-        self._queues: dict[Any, queue.SimpleQueue] = {}
-        self._lock = threading.Lock()
-        self.open((rank, MAIN))
-        self.expect((rank, STAGE))  # the stage server is made after: what arrives first waits for it
-        #: The step this rank is in (numbered from 0), None between steps.
-        self.step: int | None = None
-        #: Peer -> the steps it took part in before it shut smpart down (`Leaving`).
-        self.left: dict[int, int] = {}
-        self.inner = make_inner(self._arrived)
-
-    @property  # type: ignore[override]
-    def bytes_sent(self) -> dict[tuple[int, int], int]:
-        return self.inner.bytes_sent
-
-    @bytes_sent.setter
-    def bytes_sent(self, value: Any) -> None:  # the base class initialises it; the inner one counts
-        pass
-
-    def open(self, address: Address) -> None:
-        with self._lock:
-            self._queues.setdefault(address[1], queue.SimpleQueue())
-
-    def close(self, address: Address) -> None:
-        if address[1] not in (MAIN, STAGE):
-            with self._lock:
-                self._queues.pop(address[1], None)
-
-    def local(self, place: int) -> bool:
-        return place == self.rank
-
-    def send(self, src: int, address: Address, message: Any) -> None:
-        place, endpoint = address
-        if place == self.rank:
-            self._deliver(endpoint, message)
-        else:
-            self.inner.send(place, (endpoint, message))
-
-    def receive(self, address: Address, timeout: float) -> Any | None:
-        inbox = self._queues.get(address[1])
-        if inbox is None:
-            raise KeyError(f"no open address {address!r}")
-        try:
-            return inbox.get(timeout=timeout) if timeout > 0 else inbox.get_nowait()
-        except queue.Empty:
-            self.check()
-            return None
-
-    def check(self) -> None:
-        """Raise for a lost peer, and, inside a step, for a peer that shut smpart down before
-        taking part in it (its script raised outside a step and ended through
-        ``smpart.shutdown``, or it stopped calling the step function early): it said goodbye, so
-        it is not lost to the transport, but a wait for it would last until its timeout."""
-        self.inner.check()
-        step = self.step
-        if step is None:
-            return
-        for peer, steps in list(self.left.items()):
-            if steps <= step:
-                raise PeerLost(peer, f"it shut smpart down after {steps} step(s) (smpart.shutdown(), or the "
-                                     f"end of its script), and this rank is in step {step + 1}", left=True)
-
-    def shutdown(self) -> None:
-        self.inner.close()
-
-    def _deliver(self, endpoint: Any, message: Any) -> None:
-        served = self.endpoints.get((self.rank, endpoint))
-        if served is not None:
-            served.deliver(message)
-            return
-        inbox = self._queues.get(endpoint)
-        if inbox is not None:
-            inbox.put(message)
-
-    def _arrived(self, item: tuple[Any, Any]) -> None:
-        """A message from another rank, on the inner transport's receiver thread for that rank."""
-        endpoint, message = item
-        if type(message) is Leaving:
-            self.left[message.rank] = message.steps
-            return
-        self._deliver(endpoint, message)
-
-    def say_leaving(self, steps: int) -> None:
-        """Tell every peer this rank shuts down after ``steps`` steps (best effort: a peer may be
-        gone or closing already)."""
-        for peer in self.inner.peers:
-            with contextlib.suppress(SmpartError):
-                self.inner.send(peer, (MAIN, Leaving(self.rank, steps)))
-
-
-class ProcessRuntime:
+class ProcessRuntime(Runtime):
     """This rank's stage server, and the step body when this rank runs the first stage."""
 
     def __init__(self, config: Config) -> None:
@@ -196,7 +100,7 @@ class ProcessRuntime:
             lambda deliver: ProcessTransport(self.rank, self.setup.world_size, self.setup.transport_group,
                                              data_groups=self.setup.data_groups, timeout_s=config.timeout_s,
                                              peers=peers, deliver=deliver),
-            self.rank, direct=config.direct_dispatch)
+            self.rank)
         self.transport.open((self.rank, PROGRAM))  # a program step's transfers to this rank
         self.server = StageServer(self.stage, self.num_stages, self.rank, self.setup.device, self.transport,
                                   self.place_of_stage, rank=self.rank,
@@ -250,12 +154,7 @@ class ProcessRuntime:
     # ================================================================ steps
     def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]],
                  model: Any = None, samples: int | None = None) -> tuple[list[Any], Any]:
-        from smpart.runtime.runtime import _in_step, in_a_step
-
-        if in_a_step():
-            raise SmpartError("an @smpart.step function was called inside another step; steps do not nest")
-        with self._step_lock:
-            _in_step.active = True
+        with self.stepping(self._step_lock):
             step = self.steps_taken
             self.transport.step = step
             try:
@@ -269,7 +168,6 @@ class ProcessRuntime:
             finally:
                 self.transport.step = None
                 self.steps_taken = step + 1
-                _in_step.active = False
 
     def _drive(self, step: int, fn: Callable, pieces: list[tuple[tuple, dict]],
                model: Any, samples: int | None) -> tuple[list[Any], Any]:
@@ -351,9 +249,6 @@ class ProcessRuntime:
 
     def _state_part(self, kind: str, target: int) -> dict[Any, Any]:
         """This rank's part of the state dict of model or optimizer #``target``."""
-        from smpart.runtime.model import model_by_id
-        from smpart.runtime.optimizer import optimizer_by_id
-
         if kind == "model":
             model = model_by_id(target)
             if model is None or model._runtime is not self:
@@ -502,8 +397,6 @@ class ProcessRuntime:
         (``broadcast_buffers``), and a stage's tensor-parallel ranks the first one's random state.
         (The model is the step's argument, the same on every rank; the models alive are not, as
         one rank may not have collected garbage another has.)"""
-        from smpart.runtime.model import DistributedModel
-
         group, timeout_s = self.setup.collective_group, self.config.timeout_s
         args, kwargs = pieces[0]  # the step function checked: exactly one DistributedModel among them
         model = next(v for v in (*args, *kwargs.values()) if isinstance(v, DistributedModel))
@@ -528,8 +421,6 @@ class ProcessRuntime:
         with self._place_lock:
             if model._runtime is self:
                 return
-            from smpart.runtime.runtime import partition_for
-
             partition = self._agreed(lambda: partition_for(model, args, kwargs, self.config))
             reply_to = (self.rank, ("placed", next(_placements)))
             self.transport.open(reply_to)
@@ -565,8 +456,6 @@ class ProcessRuntime:
                                   "s: do all ranks call the step function?")
 
     def _place_here(self, message: PlaceModel) -> None:
-        from smpart.runtime.model import model_by_id
-
         error: BaseException | None = None
         try:
             model = model_by_id(message.model)
@@ -585,9 +474,6 @@ class ProcessRuntime:
         """A model an earlier ``init`` placed (each rank released the others' stages): every rank
         takes back what it will hold under ``partition`` (None: everything), from the ranks that
         kept it, and its optimizers' state with it (`replicas.make_whole`)."""
-        from smpart.runtime.optimizer import optimizers_over
-        from smpart.runtime.placement import module_stages
-
         keep = None
         if partition is not None:
             stages = module_stages(model.module, partition)
@@ -622,9 +508,6 @@ class ProcessRuntime:
         """Swap in the tensor-parallel layers the automatic plan chooses (``tree``, the traced one, lends
         its recorded calls to prove attention no adapter knows); parameters that become shards are
         new objects, which every optimizer adopts (`placement.remember_replacement`)."""
-        from smpart.runtime.placement import remember_replacement
-        from smpart.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel
-
         before = dict(model.module.named_parameters())
         plan = plan_tensor_parallel(model.module, self.layout.tp, example_inputs=tree)
         apply_tensor_parallel(model.module, plan, self.setup.tp_group)
@@ -672,8 +555,6 @@ def _as_split(partition: Any, plan: Any) -> Any:
     """``partition`` with ``meta["tensor_parallel"]`` saying what ``plan`` split, per tree node, as a
     plan's partition says it (``{"degree": 2, "split": {node name: style}}``): what ran, for the views."""
     import copy
-
-    from smpart.tensor_parallel import splittable_fraction
 
     shares = splittable_fraction(plan, partition.tree)
     ran = copy.copy(partition)

@@ -316,7 +316,7 @@ def check_sendable(leaf: Any, what: Callable[[], str], grad_enabled: bool = True
             f"register {kind} with torch.utils._pytree.register_pytree_node (its tensors then cross "
             "like any other, gradients included); if it is state the layers update and nobody "
             "differentiates through (a cache), register it with "
-            f"smpart.runtime.boundary.register_carried_state({type(leaf).__qualname__})."
+            f"smpart.runtime.reference.boundary.register_carried_state({type(leaf).__qualname__})."
         )
 
 
@@ -406,7 +406,7 @@ class StateSnapshot:
 pytree.register_pytree_node(
     StateSnapshot, lambda s: (list(s.tensors), s.payload), lambda tensors, payload: StateSnapshot(payload,
                                                                                                   list(tensors)),
-    serialized_type_name="smpart.runtime.boundary.StateSnapshot",
+    serialized_type_name="smpart.runtime.reference.boundary.StateSnapshot",
 )
 
 

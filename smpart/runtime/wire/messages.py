@@ -61,9 +61,6 @@ class Request:
     refs: bool = False
     #: The caller takes handles for the outputs (a stage); a driver asks for data.
     handles: bool = False
-    #: A promised call (`promises`): ``(frame, signature)``, the caller's frame that promised it and
-    #: the signature of the outputs it promised; answer with a bare confirmation once they are held.
-    promised: Any = None
 
 
 @dataclass(slots=True)
@@ -81,14 +78,12 @@ class Response:
     carried: list = field(default_factory=list)
     #: The output holds `handles.HandleRef`s to resolve.
     refs: bool = False
-    #: Earlier promised calls this confirmation also confirms (they succeeded; see `promises`).
-    confirms: tuple = ()
 
 
 @dataclass(slots=True)
 class Batch:
-    """Messages for one endpoint sent as one, handled in their order: a frame's promised requests
-    (see `promises`), or a driver's `ForwardDone` with the gradients of its loss."""
+    """Messages for one endpoint sent as one, handled in their order: a driver's `ForwardDone`
+    with the gradients of its loss."""
 
     messages: list
 
@@ -109,8 +104,6 @@ class Fetch:
     reply_to: Address
     of_call: Any
     index: int
-    #: The reference is promised: the call making the tensor may not have run yet (wait for it).
-    promised: bool = False
 
 
 @dataclass(slots=True)
@@ -169,8 +162,8 @@ class BeginStep:
     coordinator: Address
     #: Stages answer each other's calls with handles (`Config.output_handles`).
     handles: bool = False
-    #: Stages promise calls whose answers they can predict (`Config.promised_calls`).
-    promises: bool = False
+    #: Stages hold gradients back until a part of the graph has them all (`Config.gradient_holding`).
+    holding: bool = False
     #: Processes: model id -> the ``training`` flag of each of its modules (``modules()`` order) on
     #: the driver's rank, which the other ranks take (``model.eval()`` called there alone holds).
     modes: dict[int, bytes] | None = None

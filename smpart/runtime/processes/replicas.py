@@ -64,8 +64,8 @@ import torch.distributed as dist
 from torch import nn
 
 from smpart.errors import SmpartError
-from smpart.runtime.data_parallel import buckets, flat_copy
-from smpart.runtime.placement import fill_released
+from smpart.runtime.placement.place import fill_released
+from smpart.runtime.processes.data_parallel import buckets, flat_copy
 from smpart.tensor_parallel.layers import is_dtensor
 
 #: Bytes per broadcast: the CPU copy made for it is at most this large.

@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import time
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from smpart.errors import PipelineError, SmpartError
-from smpart.runtime import boundary, carried, handles
-from smpart.runtime.ambient import DEFAULT, capture
-from smpart.runtime.calls import Frame, as_pipeline_error, running
-from smpart.runtime.gradients import (
+from smpart.runtime.ambient import capture
+from smpart.runtime.microbatches import detached
+from smpart.runtime.reference import boundary, carried, handles
+from smpart.runtime.reference.calls import Frame, as_pipeline_error, running
+from smpart.runtime.reference.gradients import (
     CallRecords,
     Outbox,
     backpropagate,
@@ -32,7 +33,9 @@ from smpart.runtime.gradients import (
     grad_mask,
     restore_requires_grad,
 )
-from smpart.runtime.messages import (
+from smpart.runtime.reference.scheduler import Cancelled
+from smpart.runtime.reference.workers import POLL_S, new_call_id
+from smpart.runtime.wire.messages import (
     STAGE,
     Batch,
     Credit,
@@ -45,18 +48,12 @@ from smpart.runtime.messages import (
     Response,
     driver_endpoint,
 )
-from smpart.runtime.microbatches import detached
-from smpart.runtime.scheduler import Cancelled
-from smpart.runtime.stage import POLL_S, new_call_id, run_job
-
-if TYPE_CHECKING:
-    from smpart.runtime.step_run import StepRun
 
 
 class Driver:
     stage = None
 
-    def __init__(self, run: StepRun, microbatch: int, args: tuple, kwargs: dict) -> None:
+    def __init__(self, run: Any, microbatch: int, args: tuple, kwargs: dict) -> None:
         self.run = run
         self.microbatch = microbatch
         self.args, self.kwargs = args, kwargs
@@ -138,9 +135,8 @@ class Driver:
                                                else ((args, kwargs), []))
         request = Request(run.step, mb, call_id, self.address, model, module, sent_args, sent_kwargs,
                           ambient, forwarded, grad_mask(kept, forwarded), bool(originals), refs)
-        job = run.transport.lend(lambda: run.send(callee, request))
+        run.send(callee, request)
         self.pass_turn()
-        run_job(job)  # the callee's stage lives here and took the request at once: run it here
         message = self._response(call_id, f"module {module or '<root>'!r} on stage {stage}")
         route = boundary.route_back(callee, call_id, True, message.forwarded)
         output = message.output
@@ -153,16 +149,13 @@ class Driver:
             output = handles.resolve(output, None, lambda ref: self.fetch(frame, ref), None)
         return output
 
-    def fetch(self, frame: Frame, ref: handles.HandleRef, have: torch.Tensor | None = None) -> torch.Tensor:
+    def fetch(self, frame: Frame, ref: handles.HandleRef) -> torch.Tensor:
         """Materialise a handle: ask the stage holding it for the data (unless it came with it)."""
-        if have is not None:
-            return have
         run = self.run
         if ref.data is not None:
             return handles.arrive_fetched(ref.data, ref, run.device, self.outbox.post)
         fetch_id = new_call_id(run.place)
-        run.send(ref.owner, Fetch(run.step, ref.microbatch, fetch_id, self.address, ref.call_id, ref.index,
-                                  ref.promised))
+        run.send(ref.owner, Fetch(run.step, ref.microbatch, fetch_id, self.address, ref.call_id, ref.index))
         message = self._response(fetch_id, f"a tensor held at {ref.owner}")
         return handles.arrive_fetched(message.output, ref, run.device, self.outbox.post)
 
@@ -194,11 +187,8 @@ class Driver:
         scale = 1.0 / self.run.microbatches if self.run.average_grads else 1.0
         grad = torch.ones_like(loss) if grad is None else grad
         torch.autograd.backward(loss, grad * scale)
-        job = self.run.transport.lend(lambda: self._dispatch(Fraction(1), forward_over=not self.forward_done))
+        self._dispatch(Fraction(1), forward_over=not self.forward_done)
         self.forward_done = True
-        if job is not None:  # a stage here took the loss's gradients at once: its segment runs here,
-            with DEFAULT.applied():  # as on a worker thread, outside the body's autocast
-                run_job(job)
 
     def finish_forward(self) -> None:
         if not self.forward_done:

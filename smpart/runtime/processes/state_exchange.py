@@ -36,8 +36,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from smpart.errors import SmpartError
-from smpart.runtime.messages import MAIN, StateDone, StateReply, StateRequest
-from smpart.runtime.stage import POLL_S
+from smpart.runtime.reference.workers import POLL_S
+from smpart.runtime.wire.messages import MAIN, StateDone, StateReply, StateRequest
 
 
 class StateExchange:

@@ -38,9 +38,8 @@ class Endpoint(Protocol):
 
     def call(self, frame: Frame, stage: int, model: int, module: str, args: tuple, kwargs: dict) -> Any: ...
 
-    def fetch(self, frame: Frame, ref: Any, have: Any = None) -> Any:
-        """The data of a `handles.Handle` (``ref``: its reference), as it arrives here; ``have``:
-        the data, when it came already (no message then)."""
+    def fetch(self, frame: Frame, ref: Any) -> Any:
+        """The data of a `handles.Handle` (``ref``: its reference), as it arrives here."""
         ...
 
 
@@ -50,10 +49,6 @@ class Frame:
 
     ``run``, ``claim`` and ``since`` belong to stage frames: the stage's per-step state, the claim
     holding the stage's turn (None: not held) and when the current timeline span started.
-    ``promised``: the frame of a requested call, which may promise calls (`promises`): their
-    module names, stages and confirmation waiters, settled before it answers (None: it may not);
-    ``token`` names the frame in its promised requests, and ``outgoing`` holds those not sent yet:
-    ``(callee address, [requests])``.
     """
 
     endpoint: Endpoint
@@ -62,9 +57,6 @@ class Frame:
     run: Any = None
     claim: Any = None
     since: float = 0.0
-    promised: list | None = None
-    token: Any = None
-    outgoing: tuple[Any, list] | None = None
     #: A step program's glue (`program.glue`): every module call goes to the endpoint's
     #: ``glue_call``, which runs a split module here and a whole one on its rank.
     glue: bool = False
@@ -121,8 +113,6 @@ class StagedForward:
         if frame.stage != self.stage:
             streams.leave()  # a split region ends where the call leaves its stage (`streams`)
             return frame.endpoint.call(frame, self.stage, self.model, self.name, args, kwargs)
-        if frame.outgoing is not None:  # promised requests wait no longer once work starts here
-            frame.endpoint.flush(frame)
         if frame.claim is None:  # a resumed call, running as glue
             frame.endpoint.enter_compute(frame)
         return self.run_here(frame, args, kwargs)

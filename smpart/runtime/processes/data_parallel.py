@@ -40,7 +40,7 @@ step failed before its first model call holds none of the stage's parameters yet
 would not match the others' in size: a fixed-size all-reduce of the sizes goes first, and
 replicas that differ pair nothing more than it.
 
-**Replicas with batch shares** (`smpart.runtime.shares`) weigh their gradients by samples: each
+**Replicas with batch shares** (`smpart.runtime.processes.shares`) weigh their gradients by samples: each
 replica multiplies what it all-reduces (the buckets and the late correction) by ``weight`` =
 ``dp · its samples / all samples``, so the mean is that of one process on the global batch.
 

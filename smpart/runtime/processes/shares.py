@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from smpart.errors import SmpartError
+from smpart.runtime.runtime import running_runtime
 
 
 def replica_batch_sizes(global_batch: int, shares: Sequence[float] | None, multiple_of: int = 1) -> list[int]:
@@ -128,14 +129,13 @@ def replica_batch_size(global_batch: int) -> int:
 
 def _running() -> tuple[Any, int, int]:
     """(the running Config or None, data-parallel degree, this rank's replica)."""
-    from smpart.runtime.runtime import running_runtime
-
     runtime = running_runtime()
-    layout = getattr(runtime, "layout", None)
-    config = getattr(runtime, "config", None)
-    if layout is None:
-        return config, 1, 0
-    return config, layout.dp, runtime.dp_rank
+    if runtime is None:
+        return None, 1, 0
+    if runtime.layout is None:
+        return runtime.config, 1, 0
+    layout, config = runtime.layout, runtime.config
+    return config, layout.dp, layout.coordinates(runtime.rank)[1]
 
 
 def replica_weight(shares: Sequence[float] | None, replica: int) -> float:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from smpart.distributed.attendance import Attendance
-from smpart.runtime.data_parallel import OPTIMIZER, ordinal
+from smpart.runtime.processes.data_parallel import OPTIMIZER, ordinal
 
 
 class ShardedState:

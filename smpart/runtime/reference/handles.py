@@ -53,8 +53,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from smpart.errors import SmpartError
-from smpart.runtime import boundary
-from smpart.runtime.boundary import GradPost, Route
+from smpart.runtime.reference import boundary
+from smpart.runtime.reference.boundary import GradPost, Route
+from smpart.runtime.reference.calls import current_frame
 
 #: An output tensor of at most this many bytes travels with its handle (see the module docstring).
 SMALL_BYTES = 1024
@@ -63,15 +64,14 @@ SMALL_BYTES = 1024
 class HandleRef:
     """Names tensor ``index`` of the output of call ``call_id``, held by ``owner`` (an address)
     for ``microbatch`` of ``step``; ``route`` is where a fetched copy posts its gradient; ``data``:
-    the tensor's data (detached) when it is small, else None; ``promised``: made by the caller of a
-    promised call, so the owner may not hold the tensor yet (`promises`)."""
+    the tensor's data (detached) when it is small, else None."""
 
     __slots__ = ("owner", "step", "microbatch", "call_id", "index", "shape", "dtype", "requires_grad",
-                 "route", "data", "promised")
+                 "route", "data")
 
     def __init__(self, owner: Any, step: int, microbatch: int, call_id: Any, index: int, shape: tuple,
                  dtype: torch.dtype, requires_grad: bool, route: Route,
-                 data: torch.Tensor | None = None, promised: bool = False) -> None:
+                 data: torch.Tensor | None = None) -> None:
         self.owner = owner
         self.step = step
         self.microbatch = microbatch
@@ -82,14 +82,13 @@ class HandleRef:
         self.requires_grad = requires_grad
         self.route = route
         self.data = data
-        self.promised = promised
 
     def without_data(self) -> HandleRef:
         """This reference without a small tensor's data (going back to its owner, which holds it)."""
         if self.data is None:
             return self
         return HandleRef(self.owner, self.step, self.microbatch, self.call_id, self.index, self.shape,
-                         self.dtype, self.requires_grad, self.route, None, self.promised)
+                         self.dtype, self.requires_grad, self.route, None)
 
     @property
     def key(self) -> tuple[Any, int]:
@@ -97,7 +96,7 @@ class HandleRef:
 
     def __reduce__(self) -> tuple:
         return (HandleRef, (self.owner, self.step, self.microbatch, self.call_id, self.index, self.shape,
-                            self.dtype, self.requires_grad, self.route, self.data, self.promised))
+                            self.dtype, self.requires_grad, self.route, self.data))
 
     def __repr__(self) -> str:
         return (f"HandleRef(owner={self.owner}, mb={self.microbatch}, call={self.call_id}, "
@@ -157,40 +156,21 @@ class Handle(torch.Tensor):
         return func(*args, **kwargs)
 
     def value(self) -> torch.Tensor:
-        """The data (fetched from the owner the first time). The first use goes through the
-        endpoint even when the data came already (`materialise_with`): whether it came first is a
-        race, and what the endpoint does around a first use (see `StageServer.fetch`) must not
-        depend on one."""
+        """The data (fetched from the owner the first time)."""
         if not self._used:
             with self._lock:
                 if not self._used:
-                    from smpart.runtime.calls import current_frame
-
                     frame = current_frame()
-                    if frame is None and self._value is None:
+                    if frame is None:
                         raise SmpartError(
                             f"a tensor held by stage {self._ref.owner} (micro-batch {self._ref.microbatch}) "
                             "was used outside the step that made it; keep tensors a step returns, not "
                             "ones stored away inside modules")
-                    if frame is not None:
-                        value = frame.endpoint.fetch(frame, self._ref, self._value)
-                        if self._value is None:
-                            self._seen = _version(value)
-                            self._value = value
-                    self._used = True
-        return self._value  # type: ignore[return-value]
-
-    def materialise_with(self, make: Callable[[], torch.Tensor]) -> None:
-        """Set the data from ``make()`` (it came without a fetch), unless it is here already or
-        being fetched: this runs on a dispatcher, which must not wait for the fetch it would answer."""
-        if self._value is None and self._lock.acquire(blocking=False):
-            try:
-                if self._value is None:
-                    value = make()
+                    value = frame.endpoint.fetch(frame, self._ref)
                     self._seen = _version(value)
                     self._value = value
-            finally:
-                self._lock.release()
+                    self._used = True
+        return self._value  # type: ignore[return-value]
 
     def departing(self, materialised_as_data: bool, to: Any = None) -> Any:
         """What crosses when this handle is sent on (to address ``to``): its reference, or the data

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from smpart.runtime.boundary import _Arrive, walk
-from smpart.runtime.messages import Address, Credit, Gradients
+from smpart.runtime.reference.boundary import _Arrive, walk
+from smpart.runtime.wire.messages import Address, Credit, Gradients
 
 #: call_id -> (module name, kept tensors indexed like the call's tensors; None: no grad needed)
 CallRecords = dict[Any, tuple[str, list[torch.Tensor | None]]]

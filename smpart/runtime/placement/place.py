@@ -23,11 +23,15 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from smpart.config import Config
 from smpart.devices import DeviceType, as_device_type
+from smpart.distributed.launch import Layout
 from smpart.errors import ConfigError, PartitionError
+from smpart.partitioning.api import partition
 from smpart.partitioning.result import Partition
-from smpart.runtime.calls import install, uninstall
-from smpart.runtime.stage import StageServer
+from smpart.runtime.placement import activation_checkpointing as ac
+from smpart.runtime.reference.calls import install, uninstall
+from smpart.runtime.reference.stage import StageServer
 from smpart.tensor_parallel.layers import is_dtensor
+from smpart.tracing.tracer import trace
 
 
 def choose_devices(config: Config) -> list[torch.device]:
@@ -53,8 +57,6 @@ def make_partition(model: nn.Module, args: tuple, kwargs: dict, config: Config,
     the partition price them as checkpointed. One whose modules the partition spreads over
     several stages is left un-checkpointed, with a warning: recomputing it would call other
     stages from inside a backward segment."""
-    from smpart.runtime import activation_checkpointing as ac
-
     names = ac.checkpointed_names(model, config.activation_checkpointing)
     if names:
         ac.apply(model, names)
@@ -65,8 +67,6 @@ def make_partition(model: nn.Module, args: tuple, kwargs: dict, config: Config,
 
 
 def _keep_checkpoints_within_stages(model: nn.Module, names: list[str], partition: Partition) -> None:
-    from smpart.runtime import activation_checkpointing as ac
-
     stages = module_stages(model, partition)
     for name in names:
         spread = _stages_under(stages, name)
@@ -117,9 +117,6 @@ def _stages_under(stages: dict[str, int], name: str) -> set[int]:
 
 def _trace_and_partition(model: nn.Module, args: tuple, kwargs: dict, config: Config,
                          pins: dict[str, int]) -> Partition:
-    from smpart.partitioning.api import partition
-    from smpart.tracing.tracer import trace
-
     real = config.trace_device == "real"
     tree = trace(model, args, kwargs, device=None if real else "meta", measure_time=real,
                  param_memory_factor=config.param_memory_factor)
@@ -142,8 +139,6 @@ def stage_device_types(config: Config) -> list[DeviceType] | None:
     """The device type each stage is cut for, from ``config.device_types`` (one per rank): the
     slowest among the stage's ranks (its replicas and tensor-parallel shards); None with one stage
     (nothing to cut) or no types."""
-    from smpart.distributed.launch import Layout
-
     kinds, pp, tp = config.device_types, config.pipeline_parallel_degree, config.tensor_parallel_degree
     if not kinds or pp == 1:
         return None
@@ -441,8 +436,6 @@ def _release_own_tensors(module: nn.Module, seen: set[int]) -> None:
 
 def unplace(model: nn.Module, servers: list[StageServer]) -> None:
     """Undo `place`'s routing and activation checkpointing (tensors stay where they are)."""
-    from smpart.runtime import activation_checkpointing as ac
-
     for module in model.modules():
         uninstall(module)
     ac.remove(model)

@@ -18,9 +18,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from smpart.errors import PipelineError, SmpartError
-from smpart.runtime.ambient import capture
-from smpart.runtime.driver import Driver
-from smpart.runtime.messages import (
+from smpart.runtime.ambient import capture, compute_thread
+from smpart.runtime.reference.driver import Driver
+from smpart.runtime.reference.scheduler import Cancelled
+from smpart.runtime.reference.workers import POLL_S
+from smpart.runtime.timeline import Timeline
+from smpart.runtime.wire.messages import (
     STAGE,
     Abort,
     Address,
@@ -31,10 +34,6 @@ from smpart.runtime.messages import (
     StageReport,
     coordinator_endpoint,
 )
-from smpart.runtime.scheduler import Cancelled
-from smpart.runtime.stage import POLL_S
-from smpart.runtime.threads import compute_thread
-from smpart.runtime.timeline import Timeline
 
 if TYPE_CHECKING:
     from smpart.runtime.runtime import Runtime
@@ -59,7 +58,7 @@ class StepRun:
         self.average_grads = config.average_grads_across_microbatches
         self.timeout_s = config.timeout_s
         self.handles = config.output_handles
-        self.promises = self.handles and config.promised_calls
+        self.holding = config.gradient_holding
         self.aborted = threading.Event()
         self.turn = threading.Condition()
         self.next_turn = 0
@@ -93,7 +92,7 @@ class StepRun:
         self.transport.open(self.address)
         start = time.time()
         self.broadcast(BeginStep(self.step, self.microbatches, self.schedule, self.active_microbatches,
-                                 self.timeout_s, self.address, self.handles, self.promises,
+                                 self.timeout_s, self.address, self.handles, self.holding,
                                  self.runtime.training_modes()))
         threads: list[threading.Thread] = []
         results: list[Any] = [None] * self.microbatches

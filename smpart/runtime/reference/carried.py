@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from smpart.runtime import boundary
+from smpart.runtime.reference import boundary
 
 
 class CarriedRef:

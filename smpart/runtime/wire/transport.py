@@ -7,31 +7,15 @@ queue, a socket or a process group.
 - `ThreadTransport`: every place is in this process; one FIFO queue per address, messages
   passed by reference (the receiver detaches and moves tensors itself). Bytes are counted as
   they would cross between processes, so the thread runtime reports the same figures.
-- `smpart.runtime.processes.RoutedTransport`: one place per rank, messages between ranks over
+- `smpart.runtime.wire.routed.RoutedTransport`: one place per rank, messages between ranks over
   ``torch.distributed``; local addresses behave as here.
 
 An address is either *received* (`receive` reads its queue: a driver, a coordinator, a rank's
 main thread) or *served* (`serve`: a stage server's `Endpoint`, whose handler takes each message).
 
-The speed path, one switch (``direct``, from `Config.direct_dispatch`): a message for a served
-endpoint that is idle, with nothing queued, is handled at once on the thread that delivers it (the
-sender's thread on threads, the receiving thread of the peer it came from on processes) instead
-of waiting for the endpoint's own thread to wake up, one thread hand-off less per message.
-Handlers only update state, start work and send (sends never block), so running one on another
-thread is safe; the endpoint's lock still lets one handler run at a time, and a message that
-finds the endpoint busy or with a queue waits its turn, so messages are handled in arrival
-order either way. A handler that sends to an endpoint never runs that endpoint's handler inside
-its own (the message is queued): no handler waits for another, no stack grows. Off, every
-message goes through the queue (`serve_one`).
-
-The same switch lends a thread that would otherwise wait or go idle (`Transport.lend`): a driver
-calling the root, or a stage calling a module on another stage of this process, is about to block
-until the answer comes; a driver whose loss's gradients went out is about to wait for its credit; a
-backward segment that sent its gradients is done. If such a message is handled at once on the
-sending thread (above), the job it starts (running the module, or the next segment) is handed back
-and that thread runs it itself (a segment returns it, and `stage.run_job` runs the chain in a loop),
-instead of a worker thread waking up to run it: no thread hand-off. The job is exactly what a
-worker would have run, so nothing else changes.
+A served endpoint's handler runs on its own thread (a stage server's dispatcher): the
+transport's thread that delivers a message only queues it, so no handler ever runs on a
+sender's thread, and handlers take their messages one at a time, in arrival order.
 """
 
 from __future__ import annotations
@@ -46,71 +30,45 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from smpart.runtime.handles import HandleRef
-from smpart.runtime.messages import Address, Batch, Gradients, Request, Response
-
-_handling = threading.local()  # whether this thread is running an endpoint's handler
-_lent = threading.local()  # the job slot of a thread lent to the message it is sending
+from smpart.runtime.reference.handles import HandleRef
+from smpart.runtime.wire.messages import Address, Batch, Gradients, Request, Response
 
 
 class Endpoint:
     """A served address: a handler that takes its messages one at a time, in the order they arrive.
 
-    ``deliver`` is called by the transport on whatever thread a message arrives on; the endpoint's
-    own thread calls `serve_one` in a loop. With ``direct`` (the speed path, see the module
-    docstring) a message that finds the endpoint idle and nothing queued is handled in `deliver`.
-    Messages that arrive before a handler is attached wait in the queue.
+    ``deliver`` is called by the transport on whatever thread a message arrives on and queues it;
+    the endpoint's own thread calls `serve_one` in a loop. Messages that arrive before a handler is
+    attached wait in the queue.
     """
 
-    def __init__(self, handler: Callable[[Any], None] | None, direct: bool) -> None:
+    def __init__(self, handler: Callable[[Any], None] | None) -> None:
         self.handler = handler
-        self.direct = direct
         self._queue: deque = deque()
-        self._busy = False
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
 
     def deliver(self, message: Any) -> None:
         with self._lock:
-            here = (self.direct and self.handler is not None and not self._busy and not self._queue
-                    and not getattr(_handling, "on", False))
-            if here:
-                self._busy = True
-            else:
-                self._queue.append(message)
-                self._ready.notify()
-        if here:
-            self._handle(message)
+            self._queue.append(message)
+            self._ready.notify()
 
     def serve_one(self, timeout: float) -> bool:
         """Handle the next queued message (waiting up to ``timeout`` s for one); whether one was."""
         with self._lock:
-            if not self._ready.wait_for(lambda: self._queue and not self._busy, timeout):
+            if not self._ready.wait_for(lambda: bool(self._queue) and self.handler is not None, timeout):
                 return False
             message = self._queue.popleft()
-            self._busy = True
-        self._handle(message)
+        self.handler(message)
         return True
-
-    def _handle(self, message: Any) -> None:
-        _handling.on = True
-        try:
-            self.handler(message)
-        finally:
-            _handling.on = False
-            with self._lock:
-                self._busy = False
-                if self._queue:
-                    self._ready.notify()
 
 
 class Transport(ABC):
     """Delivers messages between addresses; ``bytes_sent[(src, dst)]`` counts tensor bytes
-    sent from place ``src`` to a different place ``dst``. ``direct``: the speed path (above)."""
+    sent from place ``src`` to a different place ``dst``."""
 
-    def __init__(self, direct: bool = False) -> None:
+    def __init__(self) -> None:
         self.bytes_sent: dict[tuple[int, int], int] = defaultdict(int)
-        self.direct = direct
         self.endpoints: dict[Address, Endpoint] = {}
 
     def serve(self, address: Address, handler: Callable[[Any], None]) -> Endpoint:
@@ -124,34 +82,12 @@ class Transport(ABC):
         """Queue the messages for local ``address`` until it is served."""
         endpoint = self.endpoints.get(address)
         if endpoint is None:
-            endpoint = self.endpoints[address] = Endpoint(None, self.direct)
+            endpoint = self.endpoints[address] = Endpoint(None)
         return endpoint
 
     def unserve(self, address: Address) -> None:
         """Stop serving ``address``; later messages to it are dropped."""
         self.endpoints.pop(address, None)
-
-    def lend(self, send: Callable[[], None]) -> Callable[[], None] | None:
-        """Call ``send``, offering this thread to the job its message starts when the message is
-        handled at once, here; return that job (the caller runs it), or None."""
-        if not self.direct:
-            send()
-            return None
-        _lent.slot = slot = []
-        try:
-            send()
-        finally:
-            _lent.slot = None
-        return slot[0] if slot else None
-
-    @staticmethod
-    def start(job: Callable[[], None], submit: Callable[[Callable[[], None]], None]) -> None:
-        """From a handler: give ``job`` to the thread lent by the message's sender, or ``submit`` it."""
-        slot = getattr(_lent, "slot", None)
-        if slot is not None and not slot and getattr(_handling, "on", False):
-            slot.append(job)
-        else:
-            submit(job)
 
     @abstractmethod
     def open(self, address: Address) -> None:
@@ -214,8 +150,8 @@ def _tensor_bytes(value: Any) -> int:
 class ThreadTransport(Transport):
     """Threads of one process: one unbounded FIFO queue per received address."""
 
-    def __init__(self, direct: bool = False) -> None:
-        super().__init__(direct)
+    def __init__(self) -> None:
+        super().__init__()
         self._queues: dict[Address, queue.SimpleQueue] = {}
         self._lock = threading.Lock()
 

@@ -17,13 +17,6 @@ passes one stage's answer on to the next), then the claim of the earliest action
 earliest to arrive. Whoever holds the turn gives it back when its work ends or when it waits
 for another stage.
 
-A claim can be *reserved* before it asks for the turn (`reserve`): a promised call whose input
-is the promised output of an earlier call of this stage, not yet computed (see `promises`).
-Until it asks, it holds back every claim of a later action, so the calls of one micro-batch's
-forward that came together run together: without it, a backward waiting for the turn slips in
-between two calls of a chain, and the forward (with the loss that follows it) ends later. It
-cannot stall the stage: what it waits for is work of its own action, here.
-
 Tensor parallelism: the ranks holding shards of one stage run collectives inside its modules,
 so they must give the turn to the same work in the same order, and the rule above depends on
 arrival timing. One of them (the *leader*) decides by the rule and announces every grant; the
@@ -90,7 +83,6 @@ class StageScheduler:
         self._lock = threading.Lock()
         self._holder: Claim | None = None
         self._waiting: list[Claim] = []
-        self._reserved: list[Claim] = []
         self._arrivals = 0
         self._frontier = 0  # first action neither started nor passed over
         self._started: set[Action] = set()
@@ -135,18 +127,6 @@ class StageScheduler:
             self._waiting.clear()
 
     # ================================================================ the turn
-    def reserve(self, claim: Claim) -> None:
-        """``claim`` will ask for the turn once its inputs are ready here: hold back later actions."""
-        with self._lock:
-            self._reserved.append(claim)
-
-    def withdraw(self, claim: Claim) -> None:
-        """A reserved ``claim`` will not ask after all (its call failed or was cancelled)."""
-        with self._lock:
-            if claim in self._reserved:
-                self._reserved.remove(claim)
-                self._grant()
-
     def acquire(self, claim: Claim, timeout_s: float, what: Callable[[], str],
                 check: Callable[[], None] | None = None) -> None:
         """Block until ``claim`` holds the turn; raise `Cancelled` or `TimedOut` instead."""
@@ -155,8 +135,6 @@ class StageScheduler:
                 raise Cancelled()
             self._arrivals += 1
             claim.arrival = self._arrivals
-            if claim in self._reserved:
-                self._reserved.remove(claim)
             self._waiting.append(claim)
             self._grant()
             if not claim.granted:
@@ -230,8 +208,6 @@ class StageScheduler:
         position = self.position.get(claim.action)
         if position is None or position > self._frontier:
             return position is None  # work outside the schedule (none today) is never held
-        if any(self.position.get(r.action, position) < position for r in self._reserved):
-            return False
         if claim.kind != NEW:
             return True
         previous = claim.action.microbatch - 1

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.utils.clip_grad
 
-from smpart.runtime.grad_clip import clip_grad_norm_, model_parallel_groups
+from smpart.runtime.processes.grad_clip import clip_grad_norm_, model_parallel_groups
 
 _PLACES = ((torch.nn.utils, "clip_grad_norm_"), (torch.nn.utils.clip_grad, "clip_grad_norm_"))
 

@@ -14,7 +14,7 @@ Three tricks keep it invisible to the user's model:
   attribute (`CheckpointedForward`), not around it: the module tree, parameter names, state dicts,
   the trace and the partition are the user's, unchanged. ``module(...)`` still runs the module's
   own hooks, once, outside the recomputed region; ``inspect.signature(module.forward)`` is the
-  original's. Placement (`smpart.runtime.calls.StagedForward`) is installed *after* and calls the
+  original's. Placement (`smpart.runtime.reference.calls.StagedForward`) is installed *after* and calls the
   instance forward it finds, so `apply` must run before the model is placed.
 - **The same dropout twice.** The recomputation restores the RNG state the first forward started
   from (``preserve_rng_state=True``), so a dropout inside the module draws the same mask and the
@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from smpart.errors import ConfigError
-from smpart.runtime.handles import materialise_all
+from smpart.runtime.reference.handles import materialise_all
 from smpart.tracing.tracer import RECOMPUTED_FORWARD
 
 

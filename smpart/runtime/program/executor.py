@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from greenlet import getcurrent, greenlet
 
 from smpart.errors import PipelineError, SmpartError
@@ -181,6 +182,22 @@ class RankReport:
     forward: dict[int, list] = field(default_factory=dict)
     backward: dict[int, list] = field(default_factory=dict)
     error: BaseException | None = None
+
+    def __getstate__(self) -> dict:
+        # An unpickled pytree spec warns (torch's deprecated LeafSpec check, on every rank and
+        # step): the specs travel in torch's own serialised form.
+        state = dict(self.__dict__)
+        state["specs"] = {mb: _spec_as(pytree.treespec_dumps, entry) for mb, entry in self.specs.items()}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state["specs"] = {mb: _spec_as(pytree.treespec_loads, entry) for mb, entry in state["specs"].items()}
+        self.__dict__.update(state)
+
+
+def _spec_as(convert: Callable[[Any], Any], entry: tuple | None) -> tuple | None:
+    """A micro-batch's (spec, constants, tensors) with its spec converted."""
+    return None if entry is None else (convert(entry[0]), *entry[1:])
 
 
 class RankRun:
@@ -343,17 +360,7 @@ class RankRun:
             else str(self.program.loss_action(self.me, run.microbatch))
         )
         self.report.started.append(name)
-        try:
-            with running(run.inline):
-                torch.autograd.backward(loss, grad, retain_graph=bool(run.roots))
-        except Exception as err:
-            raise PipelineError(
-                f"backward of micro-batch {run.microbatch} failed on stage {self.stage}: "
-                f"{type(err).__name__}: {err}",
-                stage=self.stage,
-                microbatch=run.microbatch,
-                rank=self.process_rank,
-            ) from err
+        self._backward(run, [loss], [grad], retain=bool(run.roots))
         below = max((root.pos for root in run.roots), default=-1)
         sent = send_final_leaves(run, below, self.wire)
         run.structure.append(("loss_sent", tuple(sent)))
@@ -397,20 +404,22 @@ class RankRun:
             grad = grad.to(root.tensor.device) if grad.device != root.tensor.device else grad
             grads[key] = grads[key] + grad if key in grads else grad
         if tensors:
-            try:
-                with running(run.inline):
-                    torch.autograd.backward(
-                        list(tensors.values()), [grads[k] for k in tensors], retain_graph=more
-                    )
-            except Exception as err:
-                raise PipelineError(
-                    f"backward of micro-batch {run.microbatch} failed on stage {self.stage}: "
-                    f"{type(err).__name__}: {err}",
-                    stage=self.stage,
-                    microbatch=run.microbatch,
-                    rank=self.process_rank,
-                ) from err
+            self._backward(run, list(tensors.values()), [grads[k] for k in tensors], retain=more)
         return tuple(received)
+
+    def _backward(self, run: MicrobatchRun, tensors: list, grads: list, retain: bool) -> None:
+        """One autograd pass of a micro-batch; an error in it names the stage and micro-batch."""
+        try:
+            with running(run.inline):
+                torch.autograd.backward(tensors, grads, retain_graph=retain)
+        except Exception as err:
+            raise PipelineError(
+                f"backward of micro-batch {run.microbatch} failed on stage {self.stage}: "
+                f"{type(err).__name__}: {err}",
+                stage=self.stage,
+                microbatch=run.microbatch,
+                rank=self.process_rank,
+            ) from err
 
     def _drop(self, mb: int) -> None:
         self.runs.pop(mb, None)

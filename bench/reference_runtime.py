@@ -19,7 +19,6 @@ over ``--rounds``, each round starting with the next, so that the machine's load
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import os
 import statistics
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import smpart  # noqa: E402
 from bench.backward_work import MICROBATCHES, TINY, full_size_partition  # noqa: E402
 from bench.processes import RankPool  # noqa: E402
-from examples.models import gpt2_small  # noqa: E402
+from bench.step_path import model_and_step  # noqa: E402
 
 #: Row name -> (Config switches, environment switches) turning one mechanism off.
 VARIANTS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
@@ -62,23 +61,13 @@ def measure(stages: int, pins: dict[str, int], steps: int, variant: str) -> tupl
     switches, env = VARIANTS[variant]
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
-    example = gpt2_small(**TINY)
-    smpart.init(pipeline_parallel_degree=stages, microbatches=MICROBATCHES, pipeline="1f1b", pin=pins,
-                step_programs=False, **switches)
     try:
-        model = smpart.DistributedModel(copy.deepcopy(example.model))
+        model, train_step = model_and_step(stages, pins, False, **switches)
         opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
-        args, _, target = example.batch(2 * MICROBATCHES, seed=0)
-
-        @smpart.step
-        def train_step(model, args, target):
-            loss = example.loss(model(*args), target)
-            model.backward(loss)
-            return loss
 
         def step() -> float:
             start = time.perf_counter()
-            train_step(model, args, target)
+            train_step()
             opt.step()
             opt.zero_grad()
             return time.perf_counter() - start

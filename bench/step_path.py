@@ -1,16 +1,13 @@
-"""How far a step travels through smpart's files: the files a step crosses, and the stays of one call.
+"""How far a step travels through smpart's files: the files one step runs code in.
 
 A Python profile hook (every thread) notes the smpart file of each frame a step enters, on GPT-2
 small's module tree at a tiny width (the partition GPT-2 small gets at full size, pinned; 2 stages,
-4 micro-batches, 1f1b):
+4 micro-batches, 1f1b): the smpart files with code run during one step, a replayed one (step
+programs, the model's fourth step) and one on the reference runtime (programs off), on threads
+and on 2 processes (the most on one rank).
 
-- *files a step crosses*: the smpart files with code run during one step, a replayed one (step
-  programs, the model's fourth step) and one on the reference runtime (programs off), on threads
-  and on 2 processes (the most on one rank);
-- *one cross-stage call*, on the reference runtime on threads: from a stage-0 module's call of a
-  stage-1 block until it returns (it runs on the caller's thread: the transport lends it to the
-  callee's job), the sequence of files its frames are in, as *stays* (a run of frames in one
-  file); *returns* = stays in a file that an earlier stay was in already (stays - files).
+The stays of one cross-stage call (how often it returns to a file it had left) are read from
+the code by ``farm-studio walk smpart/runtime/reference/forward.py:ForwardCalls._run_call:request``.
 
     .venv/bin/python bench/step_path.py [--no-processes]
 """
@@ -74,10 +71,13 @@ class FileTrail:
         threading.setprofile(None)  # type: ignore[arg-type]
 
 
-def _model_and_step(stages: int, pins: dict[str, int], programs: bool) -> tuple[Any, Callable[[], None]]:
+def model_and_step(stages: int, pins: dict[str, int], programs: bool,
+                   **switches: Any) -> tuple[Any, Callable[[], None]]:
+    """``smpart.init`` (1f1b, ``pins``, ``switches``), the tiny GPT-2 tree placed on it, and a
+    function running one training step of it (also `bench.reference_runtime`'s)."""
     example = gpt2_small(**TINY)
     smpart.init(pipeline_parallel_degree=stages, microbatches=MICROBATCHES, pipeline="1f1b", pin=pins,
-                step_programs=programs)
+                step_programs=programs, **switches)
     model = smpart.DistributedModel(copy.deepcopy(example.model))
     args, _, target = example.batch(2 * MICROBATCHES, seed=0)
 
@@ -93,7 +93,7 @@ def _model_and_step(stages: int, pins: dict[str, int], programs: bool) -> tuple[
 def files_of_a_step(stages: int, pins: dict[str, int], programs: bool) -> list[str]:
     """The smpart files a step runs code in, once the model ran 3 steps (placed, recorded, discovered)."""
     try:
-        _, step = _model_and_step(stages, pins, programs)
+        _, step = model_and_step(stages, pins, programs)
         for _ in range(3):
             step()
         with FileTrail() as trail:
@@ -107,39 +107,6 @@ def files_of_a_step(stages: int, pins: dict[str, int], programs: bool) -> list[s
 
 def on_rank(rank: int, stages: int, pins: dict[str, int], programs: bool) -> list[str]:
     return files_of_a_step(stages, pins, programs)
-
-
-def stays_of_a_call(stages: int, pins: dict[str, int]) -> list[str]:
-    """The files, stay by stay, of a stage-0 module's call of the first block on stage 1."""
-    try:
-        from smpart.runtime.reference.stage import StageServer
-    except ImportError:  # before the runtime's folders (main before issue 38)
-        from smpart.runtime.stage import StageServer  # type: ignore[no-redef]
-
-    first = min((name for name, stage in pins.items() if stage == 1 and name.startswith("transformer.h.")),
-                key=lambda name: (name.count("."), name))
-    trail = FileTrail()
-    call = StageServer.call
-
-    def traced(self: Any, frame: Any, stage: int, model: int, module: str, args: tuple, kwargs: dict) -> Any:
-        if module != first or trail.sequence:
-            return call(self, frame, stage, model, module, args, kwargs)
-        with trail:
-            trail.on = True
-            try:
-                return call(self, frame, stage, model, module, args, kwargs)
-            finally:
-                trail.on = False
-
-    StageServer.call = traced  # type: ignore[method-assign]
-    try:
-        _, step = _model_and_step(stages, pins, programs=False)
-        step()  # places the model
-        step()  # the call traced: a step like a fallback, the model placed
-    finally:
-        StageServer.call = call  # type: ignore[method-assign]
-        smpart.shutdown()
-    return trail.sequence.get(threading.get_ident()) or max(trail.sequence.values(), key=len)
 
 
 def main() -> None:
@@ -168,11 +135,6 @@ def main() -> None:
         print(f"{where:9s} {runtime:18s} files a step crosses: {len(files)}")
         if a.list:
             print("    " + " ".join(files))
-    stays = stays_of_a_call(stages, pins)
-    print(f"one cross-stage call, reference runtime, threads: {len(stays)} stays in {len(set(stays))} files, "
-          f"{len(stays) - len(set(stays))} returns to a file already left")
-    if a.list:
-        print("    " + " -> ".join(name.rsplit("/", 1)[-1] for name in stays))
 
 
 if __name__ == "__main__":

@@ -19,25 +19,12 @@ from smpart.runtime.ambient import Ambient, capture
 from smpart.runtime.program import templates
 from smpart.runtime.reference import boundary, carried, handles
 from smpart.runtime.reference.calls import Frame, as_pipeline_error, running
-from smpart.runtime.reference.gradients import (
-    grad_mask,
-    restore_requires_grad,
-)
-from smpart.runtime.reference.scheduler import (
-    RESUME,
-    Cancelled,
-    Claim,
-    TimedOut,
-)
+from smpart.runtime.reference.gradients import grad_mask, restore_requires_grad
+from smpart.runtime.reference.scheduler import RESUME, Cancelled, Claim, TimedOut
 from smpart.runtime.reference.stage_step import StageStep
 from smpart.runtime.reference.workers import Waiter, debug, new_call_id
 from smpart.runtime.schedule import FORWARD, Action
-from smpart.runtime.wire.messages import (
-    STAGE,
-    Fetch,
-    Request,
-    Response,
-)
+from smpart.runtime.wire.messages import STAGE, Fetch, Request, Response
 from smpart.tensor_parallel import streams
 
 

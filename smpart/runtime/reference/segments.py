@@ -13,26 +13,12 @@ from fractions import Fraction
 
 from smpart.errors import PipelineError, SmpartError
 from smpart.runtime.reference.calls import Frame, as_pipeline_error, running
-from smpart.runtime.reference.gradients import (
-    Holding,
-    backpropagate,
-    dispatch,
-    module_of,
-)
-from smpart.runtime.reference.scheduler import (
-    SEGMENT,
-    Cancelled,
-    Claim,
-    TimedOut,
-)
+from smpart.runtime.reference.gradients import Holding, backpropagate, dispatch, module_of
+from smpart.runtime.reference.scheduler import SEGMENT, Cancelled, Claim, TimedOut
 from smpart.runtime.reference.stage_step import StageStep
 from smpart.runtime.reference.workers import POLL_S, debug
 from smpart.runtime.schedule import BACKWARD, Action
-from smpart.runtime.wire.messages import (
-    Credit,
-    Failed,
-    Gradients,
-)
+from smpart.runtime.wire.messages import Credit, Failed, Gradients
 
 
 class BackwardSegments:

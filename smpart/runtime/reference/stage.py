@@ -36,11 +36,7 @@ from smpart.errors import PipelineError, SmpartError
 from smpart.runtime.ambient import compute_thread
 from smpart.runtime.program import templates
 from smpart.runtime.reference.forward import ForwardCalls
-from smpart.runtime.reference.scheduler import (
-    NEW,
-    Cancelled,
-    Claim,
-)
+from smpart.runtime.reference.scheduler import NEW, Cancelled, Claim
 from smpart.runtime.reference.segments import BackwardSegments
 from smpart.runtime.reference.stage_step import StageStep
 from smpart.runtime.reference.workers import POLL_S, WorkerPool, debug, debugging

@@ -13,22 +13,11 @@ from typing import Any
 
 import torch
 
-from smpart.runtime.reference.gradients import (
-    CallRecords,
-    Holding,
-    Outbox,
-)
-from smpart.runtime.reference.scheduler import (
-    StageScheduler,
-)
+from smpart.runtime.reference.gradients import CallRecords, Holding, Outbox
+from smpart.runtime.reference.scheduler import StageScheduler
 from smpart.runtime.reference.workers import Waiter
 from smpart.runtime.schedule import schedule_named
-from smpart.runtime.wire.messages import (
-    Address,
-    BeginStep,
-    Gradients,
-    driver_endpoint,
-)
+from smpart.runtime.wire.messages import Address, BeginStep, Gradients, driver_endpoint
 
 
 class StageStep:

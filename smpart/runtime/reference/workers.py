@@ -20,13 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from smpart.runtime.ambient import compute_thread
-from smpart.runtime.reference.scheduler import (
-    Cancelled,
-    TimedOut,
-)
-from smpart.runtime.wire.messages import (
-    Response,
-)
+from smpart.runtime.reference.scheduler import Cancelled, TimedOut
+from smpart.runtime.wire.messages import Response
 
 POLL_S = 0.05
 log = logging.getLogger("smpart.runtime")

@@ -199,6 +199,20 @@ def test_partition_to_html_writes_the_file(tmp_path) -> None:
     assert frame.startswith("<iframe srcdoc=") and "<script" not in frame  # all escaped into srcdoc
 
 
+def test_a_partition_draws_itself_as_the_public_api_says(tmp_path) -> None:
+    """DESIGN.md's contract: ``part.show()``, ``part.to_html(path)``, and a notebook shows ``part``."""
+    from rich.console import Console
+
+    part = partition(chain_tree(), 2)
+    console = Console(record=True, width=120)
+    part.show(console)
+    assert "stage 1" in console.export_text().lower()
+    path = tmp_path / "part.html"
+    page = part.to_html(str(path), grid=False)
+    assert path.read_text(encoding="utf-8") == page == to_html(part, grid=False)
+    assert part._repr_html_().startswith("<iframe srcdoc=")
+
+
 def test_cli_html_flag_writes_the_explorer(tmp_path, capsys) -> None:
     out = tmp_path / "gpt2.html"
     assert main(["partition", "examples.models:gpt2", "--stages", "2", "--html", str(out)]) == 0

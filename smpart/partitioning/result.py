@@ -8,6 +8,7 @@ itself; the views take one (`smpart.show(part)`, `smpart.to_html(part, path)`, i
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -199,6 +200,20 @@ class Partition:
         except json.JSONDecodeError as err:
             raise PartitionError(f"partition JSON is malformed: {err}") from err
         return cls.from_dict(data)
+
+    # The views live a floor above, in `smpart.viz`, and take a Partition. These three keep the
+    # documented `part.show()`, `part.to_html()` and the notebook's inline explorer: each loads its
+    # view when called, so the data imports nothing of the views (and the views import the data).
+    def show(self, console: Any = None, max_depth: int | None = None) -> None:
+        """Print the module tree coloured by stage and the per-stage table: `smpart.show(part)`."""
+        importlib.import_module("smpart.viz.terminal").show_partition(self, console, max_depth)
+
+    def to_html(self, path: str | None = None, **views: Any) -> str:
+        """The explorer page, written to ``path`` when given: `smpart.to_html(part, path, ...)`."""
+        return importlib.import_module("smpart.viz.html").to_html(self, path, **views)
+
+    def _repr_html_(self) -> str:
+        return self.to_html()._repr_html_()
 
     def __eq__(self, other: object) -> bool:
         return (

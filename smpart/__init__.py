@@ -18,6 +18,7 @@ from smpart.errors import (
     TraceError,
 )
 from smpart.partitioning.api import partition
+from smpart.partitioning.result import VIEWS as _partition_views
 from smpart.partitioning.result import Partition, StageLoad
 from smpart.planner import Cluster, DeviceType, Plan, Plans, plan
 from smpart.runtime import (
@@ -78,6 +79,18 @@ def __getattr__(name: str):
     if name in _MODULES:
         return importlib.import_module(f"smpart.{name}")
     raise AttributeError(f"module 'smpart' has no attribute {name!r}")
+
+
+class _Views:
+    """`smpart.viz`, imported when a partition first draws itself (``part.show()``)."""
+
+    def __getattr__(self, name: str):
+        from smpart import viz
+
+        return getattr(viz, name)
+
+
+_partition_views.append(_Views())
 
 
 def __dir__() -> list[str]:

@@ -8,7 +8,6 @@ itself; the views take one (`smpart.show(part)`, `smpart.to_html(part, path)`, i
 
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -201,16 +200,13 @@ class Partition:
             raise PartitionError(f"partition JSON is malformed: {err}") from err
         return cls.from_dict(data)
 
-    # The views live a floor above, in `smpart.viz`, and take a Partition. These three keep the
-    # documented `part.show()`, `part.to_html()` and the notebook's inline explorer: each loads its
-    # view when called, so the data imports nothing of the views (and the views import the data).
     def show(self, console: Any = None, max_depth: int | None = None) -> None:
-        """Print the module tree coloured by stage and the per-stage table: `smpart.show(part)`."""
-        importlib.import_module("smpart.viz.terminal").show_partition(self, console, max_depth)
+        """Print the module tree coloured by stage and the per-stage table (`smpart.show`)."""
+        _views().show(self, console, max_depth)
 
     def to_html(self, path: str | None = None, **views: Any) -> str:
-        """The explorer page, written to ``path`` when given: `smpart.to_html(part, path, ...)`."""
-        return importlib.import_module("smpart.viz.html").to_html(self, path, **views)
+        """The explorer page, written to ``path`` when given (`smpart.to_html`)."""
+        return _views().to_html(self, path, **views)
 
     def _repr_html_(self) -> str:
         return self.to_html()._repr_html_()
@@ -227,3 +223,15 @@ class Partition:
             f"Partition(stages={self.num_stages}, memory_weight={self.memory_weight}, "
             f"imbalance={self.imbalance:.3f})"
         )
+
+
+#: How a partition draws itself: `smpart.viz`'s views, a floor above, which the package wires in
+#: (``smpart/__init__.py``) so that the data imports none of them; ``part.show()`` and
+#: ``part.to_html()`` call them.
+VIEWS: list[Any] = []
+
+
+def _views() -> Any:
+    if not VIEWS:
+        raise PartitionError("a partition draws itself through smpart's views: import smpart first")
+    return VIEWS[0]

@@ -12,6 +12,7 @@ from typing import Any
 import torch.distributed as dist
 
 from smpart.errors import CheckpointError
+from smpart.runtime.runtime import process_setup, running_runtime
 
 
 @contextlib.contextmanager
@@ -46,13 +47,10 @@ def _every_rank_calls(what: str, group: Any) -> None:
     """Wait until every rank has called ``what``, under smpart's processes at most its ``timeout_s``,
     naming the ranks that did not come: a collective that one rank skips (``if smpart.rank() == 0:``)
     would wait for its group's timeout, half an hour, and fail without saying why."""
-    from smpart.runtime.runtime import running_runtime
-
-    runtime = running_runtime()
-    setup = getattr(runtime, "setup", None)
+    setup = process_setup()
     if group is not None or setup is None or not _distributed():
         return
-    timeout = datetime.timedelta(seconds=runtime.config.timeout_s)
+    timeout = datetime.timedelta(seconds=running_runtime().config.timeout_s)
     try:
         dist.monitored_barrier(setup.collective_group, timeout=timeout, wait_all_ranks=True)
     except RuntimeError as err:

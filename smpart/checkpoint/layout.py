@@ -15,6 +15,7 @@ from torch import nn
 from smpart.checkpoint.collective import _some
 from smpart.errors import CheckpointError
 from smpart.runtime.optimizer import DistributedOptimizer
+from smpart.runtime.runtime import process_setup
 
 
 @dataclass
@@ -108,9 +109,7 @@ def _placed_later(model: Any) -> bool:
     its own stage only, and tensor-parallel layers become shards)."""
     if getattr(model, "_after_placement", None) is None or getattr(model, "_runtime", None) is not None:
         return False
-    from smpart.runtime.runtime import running_runtime
-
-    return getattr(running_runtime(), "setup", None) is not None
+    return process_setup() is not None
 
 
 def _tie_groups(local: dict[str, torch.Tensor]) -> list[list[str]]:

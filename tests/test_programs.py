@@ -199,6 +199,44 @@ def tokens(seed: int, size: int = 8, length: int = 6):
     return ids[:, :-1], ids[:, 1:]
 
 
+def test_a_rank_stops_its_body_after_the_last_event_it_takes_part_in():
+    from smpart.runtime.program.actions import stop_points
+
+    events = [  # a 3-rank chain: rank 0 sends to 1, 1 to 2, the loss on 2, the result on 2
+        ("call", "layers.0", 0), ("call", "layers.1", 1), ("x", 0, 0, 1),
+        ("call", "layers.2", 2), ("x", 1, 1, 2), ("backward", 2), ("end", 1),
+    ]
+    assert stop_points([events] * 3, {2}) == [3, 5, None]
+    # a value read in Python needs every rank; a rank holding part of the result runs to the end
+    read = events[:4] + [("need",)] + events[4:]
+    assert stop_points([read] * 3, {1, 2}) == [5, None, None]
+
+
+@pytest.mark.timeout(120)
+def test_the_body_after_the_model_call_runs_once_per_micro_batch_where_its_result_is():
+    reached = []
+
+    @smpart.step
+    def counted(model, x, y):
+        out = model(x)
+        reached.append(1)  # after the model's call: only the rank holding the loss still runs the body
+        loss = F.cross_entropy(out, y)
+        model.backward(loss)
+        return loss
+
+    stages, microbatches, steps = 3, 4, 4
+    dm, timelines = train_both(Chain(), steps, microbatches, step_fn=counted, pipeline_parallel_degree=stages,
+                               pipeline="1f1b", pin=chain_pins(stages))
+    assert runtimes(timelines) == ["reference", "program", "program", "program"]
+    program = smpart.program_of(dm)
+    assert program.stops[0] is not None and program.stops[1] is not None and program.stops[2] is None
+    # the reference step: once per micro-batch; discovery: on every rank; then once again
+    assert len(reached) == microbatches * (1 + stages + 2)
+    kept = dm._programs.kept_placeholders
+    assert kept and all(m._value is None and m._node is None for per_rank in kept.values()
+                        for _, made in per_rank.values() for m in made)  # nothing of a step outlives it
+
+
 @pytest.mark.timeout(120)
 def test_a_rank_whose_forward_comes_back_to_it_runs_it_in_two_actions():
     """The tied head runs on rank 0 after the blocks of rank 1: rank 0's forward is cut there, so

@@ -80,6 +80,9 @@ class Program:
     #: Per rank and action name: its start in the simulation (unit costs), for `show`.
     slots: list[dict[str, float]] = field(default_factory=list)
     data_parallel: bool = False
+    #: Per rank: after how many of its events a micro-batch's body has nothing left to do there
+    #: (None: it runs to the end), see `stop_points`.
+    stops: list[int | None] = field(default_factory=list)
 
     def loss_action(self, rank: int, microbatch: int) -> Action:
         return next(a for a in self.actions[rank] if a.inline and a.microbatch == microbatch)
@@ -178,8 +181,11 @@ def build(
     microbatches: int,
     active_microbatches: int | None = None,
     data_parallel: bool = False,
+    finishers: frozenset[int] = frozenset(),
 ) -> Program:
-    """The program for ``schedule`` from each rank's recorded shape of one micro-batch."""
+    """The program for ``schedule`` from each rank's recorded shape of one micro-batch;
+    ``finishers``: the ranks that hold a tensor of the body's result (they run the body to its end;
+    none: the last rank does)."""
     graph = _Graph(shapes)
     pieces = graph.pieces()
     deps_one = graph.piece_deps(pieces)
@@ -215,9 +221,41 @@ def build(
     if data_parallel:
         for rank_actions in actions:
             rank_actions.append(Action("REDUCE_GRAD"))
-    program = Program(schedule, microbatches, size, actions, suspend_at, events, comm, slots, data_parallel)
+    program = Program(schedule, microbatches, size, actions, suspend_at, events, comm, slots, data_parallel,
+                      stop_points(events, finishers or {size - 1}))
     program.check(deps)
     return program
+
+
+def stop_points(events: list[list[tuple]], finishers: frozenset[int] | set[int]) -> list[int | None]:
+    """Per rank, the number of its events after which a micro-batch's body has nothing left to do
+    on it (None: it runs the body to its end).
+
+    Every rank runs the whole glue only to follow the others' transfers; once a rank has made the
+    last call, transfer, read or backward it takes part in, the rest of the body would only make
+    placeholders for other ranks' work. It stops there (`glue.BodyDone`), which on threads, where
+    every stage shares one interpreter, removes most of the glue of the first stages. The
+    ``finishers`` (the ranks holding the body's result) run to the end: the result's structure and
+    plain values come from them."""
+    stops: list[int | None] = []
+    for rank, rank_events in enumerate(events):
+        last = -1
+        for i, event in enumerate(rank_events):
+            if _takes_part(rank, event, rank in finishers):
+                last = i
+        stops.append(None if last >= len(rank_events) - 1 else last + 1)
+    return stops
+
+
+def _takes_part(rank: int, event: tuple, finishes: bool) -> bool:
+    kind = event[0]
+    if kind == "call" or kind == "backward":
+        return event[-1] == rank
+    if kind == "x":
+        return rank in (event[2], event[3])
+    if kind == "end":
+        return finishes
+    return True  # a value read in Python: every rank takes part
 
 
 @dataclass

@@ -34,7 +34,14 @@ from greenlet import getcurrent, greenlet
 from smpart.errors import PipelineError, SmpartError
 from smpart.runtime import ambient as ambient_state
 from smpart.runtime.program.actions import Action, Program
-from smpart.runtime.program.glue import Backward, GlueMode, MicrobatchRun, send_final_leaves
+from smpart.runtime.program.glue import (
+    Backward,
+    BodyDone,
+    GlueMode,
+    MicrobatchRun,
+    release_placeholders,
+    send_final_leaves,
+)
 from smpart.runtime.program.messages import ProgramAbort, Transfers
 from smpart.runtime.program.templates import UNPREDICTABLE, Diverged, call_key
 from smpart.runtime.reference import calls
@@ -59,7 +66,9 @@ class ThreadWire:
 
     def __init__(self, size: int, timeout_s: float) -> None:
         self.boxes = [dict() for _ in range(size)]
-        self.lock = threading.Condition()
+        self.lock = threading.Lock()
+        #: One condition per receiving stage, on the one lock: a send wakes only its receiver.
+        self.arrived = [threading.Condition(self.lock) for _ in range(size)]
         self.timeout_s = timeout_s
         self.abort: Aborted | None = None
         self.sent_bytes: dict[tuple[int, int], int] = {}
@@ -72,7 +81,8 @@ class ThreadWire:
         with self.lock:
             if self.abort is None:
                 self.abort = why
-            self.lock.notify_all()
+            for arrived in self.arrived:
+                arrived.notify_all()
 
 
 class _ThreadEnd:
@@ -90,7 +100,7 @@ class _ThreadEnd:
             pair = (self.me, to)
             wire.sent_bytes[pair] = wire.sent_bytes.get(pair, 0) + size
             wire.messages[pair] = wire.messages.get(pair, 0) + 1
-            wire.lock.notify_all()
+            wire.arrived[to].notify()
 
     def receive(self, key: tuple, src: int) -> tuple[torch.Tensor | None, bool]:
         wire = self.wire
@@ -108,7 +118,7 @@ class _ThreadEnd:
                         stage=self.me,
                         microbatch=key[1],
                     )
-                wire.lock.wait(min(left, POLL_S * 4))
+                wire.arrived[self.me].wait(min(left, POLL_S * 4))
             return box.pop(key)
 
     def fail(self, why: Aborted) -> None:
@@ -227,6 +237,7 @@ class RankRun:
         self.templates = context.templates
         self.varies = context.varies
         self.meta_cache = context.meta_cache
+        self.kept_placeholders = context.kept_placeholders if context.kept_placeholders is not None else {}
         self.process_rank = context.process_rank
         self.step = step
         self.program = program
@@ -242,6 +253,7 @@ class RankRun:
         self.checks_outputs = context.size > 1
         self.suspend_at = program.suspend_at[self.me] if program is not None else frozenset()
         self.expected = program.events[self.me] if program is not None else None
+        self.stop = program.stops[self.me] if program is not None and program.stops else None
         self.mode = GlueMode()
         self.runs: dict[int, MicrobatchRun] = {}
         self.bodies: dict[int, greenlet] = {}
@@ -277,6 +289,8 @@ class RankRun:
                 )
             self.report.error = err
             raise
+        finally:
+            release_placeholders(self.kept_placeholders)
         return self.report
 
     def _do(self, action: Action) -> None:
@@ -305,19 +319,23 @@ class RankRun:
             body.switch()
 
     def _body(self, mb: int) -> None:
-        run = self.runs[mb] = MicrobatchRun(self, mb, self.step, self.expected)
+        run = self.runs[mb] = MicrobatchRun(self, mb, self.step, self.expected, self.stop)
         args, kwargs = self.inputs(mb, run)
         mode = self.mode if self.size > 1 else contextlib.nullcontext()
         self.mode.run = run
-        with running(run.frame), self.ambient.applied(), mode:
-            result = self.fn(*args, **kwargs)
-            streams.leave()  # a split region left open (its row partner on another rank) ends here
-            run.finish(result)
+        try:
+            with running(run.frame), self.ambient.applied(), mode:
+                result = self.fn(*args, **kwargs)
+                streams.leave()  # a split region left open (its row partner on another rank) ends here
+                run.finish(result)
+        except BodyDone:  # the rest of the body has nothing for this rank
+            streams.leave()
+            run.flush_sends()
         if run.leaves:  # gradients no root of this rank can reach (none, without a backward) go now
             sent = send_final_leaves(run, max((root.pos for root in run.roots), default=-1), self.wire)
             if sent:
                 run.structure.append(("end_sent", tuple(sent)))
-        if run.expected is not None and run.cursor != len(run.expected):
+        if run.expected is not None and not run.stopped and run.cursor != len(run.expected):
             raise Diverged(f"micro-batch {mb} on rank {self.me} ended before doing all the program recorded")
         self.report.specs[mb] = run.result_spec
         for i, value in run.provided.items():

@@ -131,6 +131,12 @@ class GlueMode(TorchFunctionMode):
         return run.operate(func, args, kwargs)
 
 
+class BodyDone(BaseException):  # noqa: N818 - not an error: a body ending early, as GreenletExit
+    """Raised at the glue's next event once a rank has done all it takes part in of a micro-batch
+    (`actions.stop_points`): the rest of the body runs only on the ranks that still have work in it.
+    A BaseException, so that a body's ``except Exception`` does not take it for its own."""
+
+
 class Root:
     """A tensor this rank sent that requires grad: its gradient comes back as transfer ``k``'s."""
 
@@ -158,17 +164,21 @@ class MicrobatchRun:
     """One micro-batch of one step on one rank: the glue's bookkeeping, its transfers, its roots
     and leaves. It is the endpoint of the `Frame` the body runs under (``frame.glue``)."""
 
-    def __init__(self, rank: Any, microbatch: int, step: int, expected: list | None) -> None:
+    def __init__(self, rank: Any, microbatch: int, step: int, expected: list | None,
+                 stop: int | None = None) -> None:
         self.rank = rank  # the `executor.RankRun` of this rank
         self.me = rank.me
         self.stage = rank.stage
         self.microbatch = microbatch
         self.step = step
         self.count = 0  # transfers made so far in this micro-batch
+        self.sites = 0  # places in the glue that made placeholders so far (`_placeholders`)
         self.roots: list[Root] = []
         self.leaves: dict[int, Leaf] = {}
         self.outbox: dict[int, list] = {}
         self.expected = expected
+        self.stop = stop  # after this many events the body has nothing left to do on this rank
+        self.stopped = False
         self.events: list[tuple] = []
         self.cursor = 0
         self.structure: list[tuple] = []  # what this rank did: recv / send / compute / loss, in order
@@ -229,6 +239,9 @@ class MicrobatchRun:
             self.events.append(what)
             return
         i = self.cursor
+        if i == self.stop:
+            self.stopped = True
+            raise BodyDone
         if i >= len(self.expected) or self.expected[i] != what:
             want = self.expected[i] if i < len(self.expected) else "the end of the micro-batch"
             raise Diverged(
@@ -303,8 +316,20 @@ class MicrobatchRun:
             template = OutputTemplate.of(self._meta(func, args, kwargs))
             if key is not None:
                 cache[key] = template
-        node = LazyNode(func, args, kwargs)
-        return template.placeholders(mask, self.count, self, self.rank.device, node)
+        return self._placeholders(template, mask, LazyNode(func, args, kwargs))
+
+    def _placeholders(self, template: OutputTemplate, avail: int, node: LazyNode | None = None) -> Any:
+        """``template``'s outputs as placeholders, those of the same place in the glue on the last
+        step when they were made from the same template (every step of a program makes them alike)."""
+        site = (self.microbatch, self.sites)
+        self.sites += 1
+        kept = self.rank.kept_placeholders.get(site)
+        if kept is not None and kept[0] is template:
+            return template.refill(kept[1], avail, self.count, self, node)
+        out = template.placeholders(avail, self.count, self, self.rank.device, node)
+        made = [out] if template.single else [t for t in pytree.tree_leaves(out) if type(t) is Placeholder]
+        self.rank.kept_placeholders[site] = (template, made)
+        return out
 
     def _meta(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if func in _MOVES:  # a placeholder moved to a device: only its dtype may change
@@ -497,7 +522,7 @@ class MicrobatchRun:
                 f"{_brief_signature(key[2])} (a new shape): recording it",
                 rerecord=True,
             )
-        return template.placeholders(1 << owner, self.count, self, rank.device)
+        return self._placeholders(template, 1 << owner)
 
     def _called_here(self, staged: Any, args: tuple, kwargs: dict) -> Any:
         rank = self.rank
@@ -593,6 +618,14 @@ class MicrobatchRun:
         self.flush_sends()
         self.event(("end", len(leaves)))
         self.result_spec = (spec, constants, tensors)
+
+
+def release_placeholders(kept: dict) -> None:
+    """After a step: the kept placeholders let go of what they stood for (a received activation and
+    its autograd graph, a lazy operation's inputs), so nothing of the step outlives it."""
+    for _, made in kept.values():
+        for m in made:
+            m._value = m._node = m._run = None
 
 
 class Backward:

@@ -72,6 +72,8 @@ class ModelPrograms:
         self.buffers = list(model.module.named_buffers())
         #: The shapes of glue operations on placeholders, by what decides them (`glue._meta_key`).
         self.meta_cache: dict = {}
+        #: Per rank: the placeholders of the last step, by place in a micro-batch's glue (`glue`).
+        self.kept_placeholders: dict[int, dict] = {}
         self.owners = tensor_owners(model.module, stages)
         self.templates: dict[tuple, Any] = {}
         #: Modules whose calls' shapes differed between the micro-batches of a step (routing by data).

@@ -50,12 +50,14 @@ class RankContext:
     process_rank: int | None = None
     varies: set = frozenset()  # type: ignore[assignment]
     meta_cache: dict = None  # type: ignore[assignment]
+    kept_placeholders: dict = None  # type: ignore[assignment]
 
     @classmethod
     def of(cls, programs: ModelPrograms, me: int, stage: int, device: torch.device,
            process_rank: int | None = None) -> RankContext:
         return cls(me, programs.size, stage, device, programs.owners, programs.whole, programs.templates,
-                   process_rank, programs.varies, programs.meta_cache)
+                   process_rank, programs.varies, programs.meta_cache,
+                   programs.kept_placeholders.setdefault(me, {}))
 
 
 def programs_of(model: Any) -> ModelPrograms | None:
@@ -167,8 +169,10 @@ def _build(
     """Turn a discovery step's reports into the scheduled program for ``key``."""
     try:
         shapes, events = shapes_of(reports)
+        finishers = frozenset(report.rank for report in reports if report.provided)
         programs.programs[key] = programs.last = build(
-            config.schedule, shapes, events, len(reports[0].specs), config.active_microbatches, data_parallel
+            config.schedule, shapes, events, len(reports[0].specs), config.active_microbatches, data_parallel,
+            finishers,
         )
     except (Diverged, SmpartError) as err:
         programs.cannot(key, f"no program for this step: {err}")
@@ -307,8 +311,8 @@ def assemble(reports: list[RankReport], microbatches: int) -> list[Any]:
     for report in reports:
         provided.update(report.provided)
     results = []
-    for mb in range(microbatches):
-        spec, constants, tensors = reports[0].specs[mb]
+    for mb in range(microbatches):  # the structure from a rank that ran the body to its end
+        spec, constants, tensors = next(r.specs[mb] for r in reports if r.specs.get(mb) is not None)
         leaves = [provided[(mb, i)] if i in tensors else constants[i] for i in range(len(constants))]
         results.append(pytree.tree_unflatten(leaves, spec))
     return results

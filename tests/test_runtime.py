@@ -157,6 +157,10 @@ def train_and_compare(factory, stages, microbatches, schedule, steps=3, batch_si
 
 
 GRID = [(s, m, p) for s in (1, 2, 3, 4) for m in (1, 2, 4) for p in ("simple", "interleaved")]
+#: Half the grid that still holds every pair of its values (stages and micro-batches, stages and
+#: schedule, micro-batches and schedule): what the other zoo models run; GPT-2 runs the whole grid.
+PAIRS = [(s, m, ("simple", "interleaved")[(s + i) % 2])
+         for s in (1, 2, 3, 4) for i, m in enumerate((1, 2, 4))]
 
 
 @pytest.mark.timeout(120)
@@ -169,7 +173,7 @@ def test_gpt2_matches_unsplit(stages, microbatches, schedule):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", [n for n in ZOO if n != "gpt2"])
-@pytest.mark.parametrize(("stages", "microbatches", "schedule"), GRID)
+@pytest.mark.parametrize(("stages", "microbatches", "schedule"), PAIRS)
 def test_zoo_model_matches_unsplit(name, stages, microbatches, schedule):
     train_and_compare(ZOO[name], stages, microbatches, schedule)
 

@@ -29,3 +29,15 @@ def _no_smpart_thread_left_behind():
             time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, f"smpart threads still alive after the test: {left}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests given the longest deadlines start first (a stable sort: the rest keep their
+    order), so that with two workers (`make test`) the suite does not end on one long
+    multi-process test while the other worker has nothing left to run."""
+
+    def deadline(item) -> float:
+        mark = item.get_closest_marker("timeout")
+        return mark.args[0] if mark is not None and mark.args else 0
+
+    items.sort(key=deadline, reverse=True)

@@ -261,7 +261,7 @@ class MicrobatchRun:
     def operate(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """One torch operation of the glue. What happens depends only on what every rank knows
         alike (the operation, which ranks hold its inputs), so every rank makes the same transfers."""
-        tensors = _tensors((args, kwargs))
+        tensors = _operands(args, kwargs)
         if func in RANDOM:
             return self._random(func, args, kwargs, tensors)
         if not tensors:
@@ -502,7 +502,7 @@ class MicrobatchRun:
         streams.leave()  # a split region ends where the call leaves this rank (`streams`)
         rank = self.rank
         self.event(("call", staged.name, owner))
-        for t in _tensors((args, kwargs)):
+        for t in _operands(args, kwargs):
             self.make_available(owner, t)
         key = call_key(staged.model, staged.name, args, kwargs)
         template = rank.templates.get(key)
@@ -527,7 +527,7 @@ class MicrobatchRun:
     def _called_here(self, staged: Any, args: tuple, kwargs: dict) -> Any:
         rank = self.rank
         self.event(("call", staged.name, self.me))
-        leaves = _tensors((args, kwargs))
+        leaves = _operands(args, kwargs)
         if leaves:
             for t in leaves:
                 self.make_available(self.me, t)
@@ -704,6 +704,21 @@ def _tensors(value: Any) -> list[torch.Tensor]:
             leaves = pytree.tree_leaves(v)
             if len(leaves) != 1 or leaves[0] is not v:
                 todo.extend(reversed(leaves))
+    return found
+
+
+def _operands(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among a call's arguments, as `_tensors` finds them; the common case (no
+    keywords, no containers) in one pass: every glue operation and module call asks."""
+    if kwargs:
+        return _tensors((args, kwargs))
+    found = []
+    for a in args:
+        kind = type(a)
+        if kind in _TENSOR_KINDS:
+            found.append(a)
+        elif kind not in _LEAVES:
+            return _tensors(args)
     return found
 
 

@@ -72,6 +72,7 @@ class OutputTemplate:
         self.leaves = leaves
         self.opaque = next((leaf.kind for leaf in leaves if isinstance(leaf, Opaque)), None)
         self.single = len(leaves) == 1 and spec.is_leaf()
+        self.tensor_positions = [i for i, m in enumerate(leaves) if type(m) is TensorMeta]
 
     @classmethod
     def of(cls, output: Any) -> OutputTemplate:
@@ -124,10 +125,6 @@ class OutputTemplate:
         for i, m in zip(self.tensor_positions, kept, strict=True):
             leaves[i] = m
         return pytree.tree_unflatten(leaves, self.spec)
-
-    @property
-    def tensor_positions(self) -> list[int]:
-        return [i for i, m in enumerate(self.leaves) if type(m) is TensorMeta]
 
     def matches(self, output: Any) -> bool:
         if self.single and isinstance(output, torch.Tensor):

@@ -56,6 +56,7 @@ class Runtime(abc.ABC):
     answer_at_shutdown = True
     #: Steps this runtime has run (begun), failed ones included.
     steps_taken = 0
+    _place_lock: threading.Lock
 
     @abc.abstractmethod
     def place_of_stage(self, stage: int) -> int:
@@ -67,9 +68,18 @@ class Runtime(abc.ABC):
         """Run ``fn`` over ``pieces`` (one per micro-batch) for ``model``: (results, timeline).
         ``samples``: the step's batch size (what data-parallel replicas with shares check)."""
 
-    @abc.abstractmethod
     def ensure_placed(self, model: Any, args: tuple, kwargs: dict) -> None:
-        """Partition and place ``model`` at its first call (micro-batch 0 of its first step)."""
+        """Partition and place ``model`` at its first call (micro-batch 0 of its first step), once:
+        the first of the threads that reach it places, the others find it placed."""
+        if model._runtime is self:
+            return
+        with self._place_lock:
+            if model._runtime is not self:
+                self._place_first(model, args, kwargs)
+
+    @abc.abstractmethod
+    def _place_first(self, model: Any, args: tuple, kwargs: dict) -> None:
+        """Partition and place ``model`` (under the placement lock, not yet placed here)."""
 
     @abc.abstractmethod
     def training_modes(self) -> dict[int, bytes] | None:

@@ -59,20 +59,15 @@ class ThreadRuntime(Runtime):
         """Threads: every stage's modules are the ones the step body sees; nothing to send."""
         return None
 
-    def ensure_placed(self, model: DistributedModel, args: tuple, kwargs: dict) -> None:
-        """Partition and place ``model`` on its first call (micro-batch 0 of its first step)."""
-        if model._runtime is self:
-            return
-        with self._place_lock:
-            if model._runtime is self:
-                return
-            partition = partition_for(model, args, kwargs, self.config)
-            place(model.module, model.model_id, partition, self.servers)
-            model._partition = partition
-            steps.placed(model, partition)
-            model._runtime = self
-            self.models.add(model)
-            model._placed()  # a checkpoint load that waited for the placement of a model built on meta
+    def _place_first(self, model: DistributedModel, args: tuple, kwargs: dict) -> None:
+        """Partition and place ``model`` on every stage of this process."""
+        partition = partition_for(model, args, kwargs, self.config)
+        place(model.module, model.model_id, partition, self.servers)
+        model._partition = partition
+        steps.placed(model, partition)
+        model._runtime = self
+        self.models.add(model)
+        model._placed()  # a checkpoint load that waited for the placement of a model built on meta
 
     def shutdown(self, timeout_s: float = 10.0) -> list[str]:
         for model in list(self.models):

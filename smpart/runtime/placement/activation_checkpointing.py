@@ -33,7 +33,6 @@ module names, outermost first: a module inside a checkpointed one is already rec
 from __future__ import annotations
 
 import fnmatch
-import inspect
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -43,6 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from smpart.errors import ConfigError
+from smpart.runtime.reference.calls import WrappedForward
 from smpart.runtime.reference.handles import materialise_all
 from smpart.tracing.tracer import RECOMPUTED_FORWARD
 
@@ -88,20 +88,16 @@ def set_activation_checkpointing(module: nn.Module, *, preserve_rng_state: bool 
     REGISTRY.add(module, preserve_rng_state)
 
 
-class CheckpointedForward:
+class CheckpointedForward(WrappedForward):
     """A module's ``forward`` whose activations are recomputed in the backward instead of kept."""
 
     def __init__(self, module: nn.Module, preserve_rng_state: bool = True) -> None:
-        self.module = module
+        super().__init__(module)
         self.preserve_rng_state = preserve_rng_state
-        #: A forward the user set on the instance before (rare), else None: the class's forward.
-        self.instance_forward = module.__dict__.get("forward")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's own forward, as it was before checkpointing."""
-        if self.instance_forward is not None:
-            return self.instance_forward(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
+        return self.original(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # nothing is saved without autograd: nothing to recompute
@@ -114,15 +110,6 @@ class CheckpointedForward:
 
     def _unflatten(self, num_args: int, keys: tuple[str, ...], *flat: Any) -> Any:
         return self.forward(*flat[:num_args], **dict(zip(keys, flat[num_args:], strict=True)))
-
-    @property
-    def __wrapped__(self) -> Any:
-        """The original forward, so ``inspect.signature(module.forward)`` still works."""
-        return self.instance_forward or type(self.module).forward.__get__(self.module)
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return inspect.signature(self.__wrapped__)
 
     def __repr__(self) -> str:
         return f"CheckpointedForward({type(self.module).__name__})"

@@ -414,24 +414,19 @@ class ProcessRuntime(Runtime):
             share_random_state(self.setup.tp_group, self.layout.rank_of(self.stage, self.dp_rank, 0),
                                self.setup.device, timeout_s)
 
-    def ensure_placed(self, model: DistributedModel, args: tuple, kwargs: dict) -> None:
+    def _place_first(self, model: DistributedModel, args: tuple, kwargs: dict) -> None:
         """On the driver's rank, at the model's first call: partition, send it to every rank, place."""
-        if model._runtime is self:
-            return
-        with self._place_lock:
-            if model._runtime is self:
-                return
-            partition = self._agreed(lambda: partition_for(model, args, kwargs, self.config))
-            reply_to = (self.rank, ("placed", next(_placements)))
-            self.transport.open(reply_to)
-            try:
-                for stage in range(1, self.num_stages):
-                    self.transport.send(self.rank, (self.place_of_stage(stage), MAIN),
-                                        PlaceModel(model.model_id, partition, reply_to))
-                self._place(model, partition)
-                self._await_placed(reply_to, model.model_id)
-            finally:
-                self.transport.close(reply_to)
+        partition = self._agreed(lambda: partition_for(model, args, kwargs, self.config))
+        reply_to = (self.rank, ("placed", next(_placements)))
+        self.transport.open(reply_to)
+        try:
+            for stage in range(1, self.num_stages):
+                self.transport.send(self.rank, (self.place_of_stage(stage), MAIN),
+                                    PlaceModel(model.model_id, partition, reply_to))
+            self._place(model, partition)
+            self._await_placed(reply_to, model.model_id)
+        finally:
+            self.transport.close(reply_to)
 
     def _agreed(self, decide: Callable[[], Any]) -> Any:
         """What the first tensor-parallel driver decides, on every driver (they must agree)."""

@@ -91,16 +91,38 @@ class running:  # noqa: N801 - used like a function: ``with running(frame):``
         _local.frame = self.previous
 
 
-class StagedForward:
+class WrappedForward:
+    """A callable set as a module's ``forward`` over the one it replaces: the forward set on the
+    instance before (by the user, or activation checkpointing), else the class's."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.instance_forward = module.__dict__.get("forward")
+
+    def original(self, *args: Any, **kwargs: Any) -> Any:
+        """The forward this one replaced."""
+        if self.instance_forward is not None:
+            return self.instance_forward(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    @property
+    def __wrapped__(self) -> Any:
+        """The original forward, so ``inspect.signature(module.forward)`` still works."""
+        return self.instance_forward or type(self.module).forward.__get__(self.module)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.__wrapped__)
+
+
+class StagedForward(WrappedForward):
     """A module's ``forward`` that knows the module's stage. Dispatches on the caller's frame."""
 
     def __init__(self, module: nn.Module, model: int, name: str, stage: int) -> None:
-        self.module = module
+        super().__init__(module)
         self.model = model
         self.name = name
         self.stage = stage
-        #: A forward the user (or activation checkpointing) set on the instance before placement.
-        self.instance_forward = module.__dict__.get("forward")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         frame = current_frame()
@@ -130,22 +152,11 @@ class StagedForward:
 
     def _forward(self, frame: Frame | None, args: tuple, kwargs: dict) -> Any:
         try:
-            if self.instance_forward is not None:
-                return self.instance_forward(*args, **kwargs)
-            return type(self.module).forward(self.module, *args, **kwargs)
+            return self.original(*args, **kwargs)
         except Exception as err:
             if frame is not None:
                 mark_origin(err, frame.stage, self.name, frame.microbatch)
             raise
-
-    @property
-    def __wrapped__(self) -> Any:
-        """The original forward, so ``inspect.signature(module.forward)`` still works."""
-        return self.instance_forward or type(self.module).forward.__get__(self.module)
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return inspect.signature(self.__wrapped__)
 
 
 def holds_meta(module: nn.Module, recurse: bool = True) -> bool:

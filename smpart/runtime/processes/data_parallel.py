@@ -24,7 +24,8 @@ remaining buckets have a gradient anywhere: those take part, zeros where missing
 no gradient, exactly as one process on the concatenated batch; (3) parameters that received a
 gradient after their bucket started (a guess too early): what arrived late, caught by a hook
 before accumulation, is averaged in one more all-reduce and added. `finish`, before the
-optimizer step, waits for every all-reduce and writes the averages into ``.grad``.
+optimizer step, waits for every all-reduce and makes the averages the gradients: views of
+the buckets, no copy (each replica scaled its part by ``1 / dp`` as it filled the bucket).
 
 **A step that fails on one replica fails on all of them.** The replicas' collectives must pair
 up step after step, and a replica whose step failed never flushes by itself (its micro-batches
@@ -33,16 +34,17 @@ flushes then, saying so, and every rank's flush (the agreement's first flag) lea
 replica failed; if one did, only the buckets some replica already started are all-reduced, so
 the collectives still pair. A step can also fail after its gradients were final (in the step
 body, after the backward): so `finish` ends every step with one more small all-reduce, of which
-replica failed. When one did, no average is written anywhere: each replica keeps its own
-unaveraged gradients, and every replica's step raises (the others' naming the replica that
-failed), so no replica steps its optimizer on gradients the others do not have. A replica whose
-step failed before its first model call holds none of the stage's parameters yet, so its flags
-would not match the others' in size: a fixed-size all-reduce of the sizes goes first, and
-replicas that differ pair nothing more than it.
+replica failed (a step program's replicas flush from `finish`, after their step's body: their
+agreement says it, and they exchange nothing more). When one did, no average is written
+anywhere: each replica keeps its own unaveraged gradients, and every replica's step raises (the
+others' naming the replica that failed), so no replica steps its optimizer on gradients the
+others do not have. A replica whose step failed before its first model call holds none of the
+stage's parameters yet, so its flags would not match the others' in size: a fixed-size
+all-reduce of the sizes goes first, and replicas that differ pair nothing more than it.
 
 **Replicas with batch shares** (`smpart.runtime.processes.shares`) weigh their gradients by samples: each
-replica multiplies what it all-reduces (the buckets and the late correction) by ``weight`` =
-``dp · its samples / all samples``, so the mean is that of one process on the global batch.
+replica multiplies what it all-reduces (the buckets and the late correction) by ``weight / dp``,
+``weight = dp · its samples / all samples``, so the mean is that of one process on the global batch.
 
 **A replica that never comes.** One whose rank hangs (in its backward, say) or dies without
 closing its connections never joins these collectives. Every wait here is bounded by
@@ -121,6 +123,7 @@ class GradientReducer:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._expected: dict[int, int] = {}
         self._count: dict[int, int] = {}
+        self._unfinal: list[int] = [len(b.params) for b in self.buckets]
         self._late: dict[int, torch.Tensor] = {}
         self._next = 0  # index of the next bucket to start (they start in order)
         self._correction: tuple[list[nn.Parameter], torch.Tensor, Any] | None = None
@@ -130,6 +133,7 @@ class GradientReducer:
         self._flushing: threading.Thread | None = None  # `flush_soon`'s thread, joined by `finish`
         self._mismatch: SmpartError | None = None  # see `_same_parameters_everywhere`
         self._unpairable = False
+        self._failing_told: int | None = None
         self._replica = replica  # this rank's data-parallel index, named when its step fails
         self._handles = [h for p in params for h in (p.register_hook(self._make_pre_hook(p)),
                                                      p.register_post_accumulate_grad_hook(self._accumulated))]
@@ -140,6 +144,7 @@ class GradientReducer:
         with self._lock:
             self._step = step
             self._count = {}
+            self._unfinal = [len(b.params) for b in self.buckets]  # per bucket: parameters not final yet
             self._late = {}
             self._next = 0
             for bucket in self.buckets:
@@ -148,6 +153,7 @@ class GradientReducer:
             self.started_early = self.corrected = 0
             self._armed = True
             self._flushed = False
+            self._failing_told = None  # which replica failed, when `flush` was told
             self._mismatch, self._unpairable = None, False
 
     def flush_soon(self) -> None:
@@ -161,9 +167,12 @@ class GradientReducer:
         self._flushing = threading.Thread(target=flush, name="smpart-gradient-flush", daemon=True)
         self._flushing.start()
 
-    def flush(self, failed: bool = False) -> None:
+    def flush(self, failed: bool = False, finishing: bool = False) -> None:
         """The stage's gradients are final (or, ``failed``, this rank's step failed before they
-        were): start everything not started yet (collective). Once per step."""
+        were): start everything not started yet (collective). Once per step. ``finishing``: `finish`
+        calls it at the step's very end, where nothing can fail after it, so the agreement also
+        tells it which replica failed and `finish` exchanges nothing of its own; every replica must
+        flush the same way in a step (a step program's replicas all flush from `finish`)."""
         with self._lock:
             if self._flushed:
                 return
@@ -177,9 +186,13 @@ class GradientReducer:
             has_grad = [int(p.grad is not None) for p in self.params]
             late = [int(id(p) in self._late) for p in self.params]
             nb, np_ = len(self.buckets), len(self.params)
-            flags = torch.tensor([int(failed)] + started + has_grad + late, dtype=torch.uint8)
+            who = self._replica + 1 if failed else 0
+            flags = torch.tensor([who] + started + has_grad + late, dtype=torch.int64)
             self._control_max(flags, FLUSH)
-            failed_anywhere, *flags = flags.tolist()
+            who, *flags = flags.tolist()
+            failed_anywhere = who > 0
+            if finishing:
+                self._failing_told = who - 1
             if self._count and not failed:  # a step with a backward teaches the next one its counts
                 self._expected = dict(self._count)
             started_anywhere = flags[:nb]
@@ -195,7 +208,7 @@ class GradientReducer:
             self.corrected = len(late_anywhere)
             if late_anywhere:
                 extra = [self._late.get(id(p), torch.zeros_like(_local(p))) for p in late_anywhere]
-                flat = self._weighted(flat_copy(extra))
+                flat = scaled_copy(extra, self._scale)
                 work = dist.all_reduce(flat, group=self.group, async_op=True)
                 self._correction = (late_anywhere, flat, work)
 
@@ -223,29 +236,32 @@ class GradientReducer:
         self._unpairable = bool(started_anywhere)
         return False
 
-    def finish(self, failed: bool = False) -> int | None:
+    def finish(self, failed: bool = False, flush_here: bool = False) -> int | None:
         """Wait for every all-reduce and write the averages into the gradients (collective). With
         ``failed`` (this rank's step failed), or when another replica's did, write nothing and
-        return the index of a replica whose step failed; None when every replica's step ran."""
+        return the index of a replica whose step failed; None when every replica's step ran.
+        ``flush_here``: the step did not flush before (a step program's): flush and finish agree
+        in one exchange (`flush`'s ``finishing``)."""
         if self._flushing is not None:
             self._flushing.join()  # its waits are bounded by timeout_s
             self._flushing = None
         with contextlib.suppress(SmpartError):  # kept in `failure`, raised below
-            self.flush(failed)  # a step that failed before its gradients were final here
+            self.flush(failed, finishing=flush_here)  # or a step that failed before its gradients were final
         with self._lock:
             if self.failure is not None:
                 self._drop_buckets()
                 raise self.failure
             try:
                 self._wait_for_buckets()
-                # the step may have failed after the flush (in the step body, after its backward)
-                who = torch.tensor([self._replica + 1 if failed else 0], dtype=torch.int64)
-                self._arrive(FINISH)
-                self._control_max(who, FINISH)
+                failing = self._failing_told
+                if failing is None:  # the step may have failed after the flush (in the body, after backward)
+                    who = torch.tensor([self._replica + 1 if failed else 0], dtype=torch.int64)
+                    self._arrive(FINISH)
+                    self._control_max(who, FINISH)
+                    failing = int(who.item()) - 1  # a rank whose flush said so says so here too
             except SmpartError:
                 self._drop_buckets()
                 raise
-            failing = int(who.item()) - 1  # a rank whose flush said so says so here too
             if self._mismatch is not None and (failing < 0 or self._unpairable):
                 raise self._mismatch
             if failing >= 0:
@@ -254,14 +270,12 @@ class GradientReducer:
             for bucket in self.buckets:
                 if bucket.work is None:
                     continue
-                bucket.flat /= self.size
                 averages = _unflatten_dense_tensors(bucket.flat, [_local(p.grad) for p in bucket.taking])
                 for p, averaged in zip(bucket.taking, averages, strict=True):
-                    _local(p.grad).copy_(averaged)
+                    adopt_average(p, averaged)
                 bucket.flat, bucket.work = None, None
             if self._correction is not None:
                 params, flat, _ = self._correction  # waited for above
-                flat /= self.size
                 for p, extra in zip(params, _unflatten_dense_tensors(flat, [_local(p) for p in params]),
                                     strict=True):
                     _local(p.grad).add_(extra)
@@ -330,14 +344,12 @@ class GradientReducer:
             if not self._armed:
                 return
             key = id(param)
-            self._count[key] = self._count.get(key, 0) + 1
-            while self._next < len(self.buckets) and self._final(self.buckets[self._next]):
+            count = self._count[key] = self._count.get(key, 0) + 1
+            if count == self._expected.get(key, 0):  # final now (a parameter expecting none never is)
+                self._unfinal[self._bucket_of[key].index] -= 1
+            while self._next < len(self.buckets) and not self._unfinal[self._next]:
                 bucket = self.buckets[self._next]
                 self._start(bucket, bucket.params)
-
-    def _final(self, bucket: _Bucket) -> bool:
-        return all(self._expected.get(id(p), 0) > 0 and self._count.get(id(p), 0) >= self._expected[id(p)]
-                   for p in bucket.params)
 
     def _start(self, bucket: _Bucket, taking: list[nn.Parameter]) -> None:
         """All-reduce ``taking`` (a gradient missing here counts as zeros); call with the lock held."""
@@ -346,11 +358,14 @@ class GradientReducer:
         for p in taking:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        bucket.flat = self._weighted(flat_copy([_local(p.grad) for p in taking]))
+        bucket.flat = scaled_copy([_local(p.grad) for p in taking], self._scale)
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True) if taking else None
 
-    def _weighted(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat if self.weight == 1.0 else flat.mul_(self.weight)
+    @property
+    def _scale(self) -> float:
+        """What a replica's gradients are multiplied by before the sum: the sum is then the mean
+        (DDP divides first too; by a power of two, as for dp = 2, exactly)."""
+        return self.weight / self.size
 
 
 def stage_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
@@ -371,6 +386,26 @@ def flat_copy(tensors: list[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         return torch.zeros(0)
     return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def scaled_copy(tensors: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """The tensors times ``scale``, side by side in a new buffer, in one pass (a product written
+    into each tensor's place; a copy and a scaling of the whole would be two)."""
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype if tensors else torch.float32,
+                       device=tensors[0].device if tensors else None)
+    for t, place in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
+        torch.mul(t, scale, out=place)
+    return flat
+
+
+def adopt_average(param: nn.Parameter, averaged: torch.Tensor) -> None:
+    """Make ``averaged`` (a view of its all-reduced bucket) the parameter's gradient, without a copy
+    (DDP's ``gradient_as_bucket_view``): a step's buckets are new buffers, so the gradients of the
+    last step stay untouched. A tensor-parallel gradient (a DTensor) takes the values instead."""
+    if type(param.grad) is torch.Tensor:
+        param.grad = averaged
+    else:
+        _local(param.grad).copy_(averaged)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

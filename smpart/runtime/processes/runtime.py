@@ -142,10 +142,6 @@ class ProcessRuntime(Runtime):
         layout = self.layout
         return [layout.rank_of(s, self.dp_rank, t) for s in range(layout.pp) for t in range(layout.tp)]
 
-    def gradients_final(self) -> None:
-        """This rank's gradients are final (a program step's last backward ran): average them."""
-        self._current_reducer().flush()
-
     def place_of_stage(self, stage: int) -> int:
         """The rank of ``stage`` in this rank's replica, with this rank's tensor-parallel index (each
         tensor-parallel rank talks to its peers: their messages are the same)."""
@@ -174,10 +170,10 @@ class ProcessRuntime(Runtime):
         error: BaseException | None = None
         results = timeline = None
         try:
-            self._check_replicas_agree(pieces, samples)
             self._begin_gradient_sync()
-            results, timeline = program_steps.drive(self, step, fn, pieces, model,
-                                            lambda: StepRun(self, step, fn, pieces).execute())
+            results, timeline = program_steps.drive(
+                self, step, fn, pieces, model, lambda: StepRun(self, step, fn, pieces).execute(),
+                lambda code: self._check_replicas_agree(pieces, samples, code))
         except BaseException as err:  # noqa: BLE001 - every rank hears of it, then it is raised here
             error = err
         result = StepResult(step, results, timeline, _shippable(error, self.rank))
@@ -309,9 +305,11 @@ class ProcessRuntime(Runtime):
 
     def finish_gradients(self, failed: bool) -> int | None:
         """A program step's end under data parallelism: average the gradients (`GradientReducer`),
-        returning the replica whose step failed, if any; the step's `_end_step` averages no more."""
+        returning the replica whose step failed, if any; the step's `_end_step` averages no more.
+        The replicas agree on what to average and on who failed in one exchange, here: a program's
+        buckets start during its backward, as its counts say, so a flush any earlier gains nothing."""
         self._reduced = True
-        return self._current_reducer().finish(failed=failed)
+        return self._current_reducer().finish(failed=failed, flush_here=True)
 
     def most_on_replicas(self, code: int) -> int:
         """The largest ``code`` of the data-parallel replicas (one small all-reduce, at most
@@ -357,11 +355,14 @@ class ProcessRuntime(Runtime):
         if error is not None:
             raise error
 
-    def _check_replicas_agree(self, pieces: list[tuple[tuple, dict]], samples: int | None = None) -> None:
+    def _check_replicas_agree(self, pieces: list[tuple[tuple, dict]], samples: int | None = None,
+                              code: int = 0) -> int:
         """Data-parallel replicas must feed batches of one size, their gradients are averaged; with
-        batch shares, batches in the shares' proportions, alike but for the batch axis."""
+        batch shares, batches in the shares' proportions, alike but for the batch axis. The same
+        small all-reduce carries ``code`` (how this replica would run the step): the largest of the
+        replicas' is returned, so that they run it alike."""
         if self.layout.dp == 1:
-            return
+            return code
         group, phase = self.setup.dp_control_group, ordinal(self.steps_taken, CHECK)
         where = f"the check of the replicas' batches at the start of step {self.steps_taken + 1}"
         self.attendance.arrive(phase, where)
@@ -377,16 +378,18 @@ class ProcessRuntime(Runtime):
                   for t in pytree.tree_leaves(piece) if isinstance(t, torch.Tensor)]
         # every step: one small all-reduce of a digest (its max and its negated min), on CPU
         digest = int.from_bytes(hashlib.sha256(repr(shapes).encode()).digest()[:7], "little")
-        extremes = torch.tensor([digest, -digest], dtype=torch.int64)
+        extremes = torch.tensor([digest, -digest, code], dtype=torch.int64)
         wait(dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group, async_op=True))
-        if extremes[0].item() == -extremes[1].item():
-            return
+        most, least, code = extremes.tolist()
+        if most == -least:
+            return code
         every = all_gather_objects(shapes, group, self.config.timeout_s, "the shapes of the batches")
         if any(other != shapes for other in every):
             sizes = {d: [s[0] if s else None for s in shape][:3] for d, shape in enumerate(every)}
             raise SmpartError(f"the data-parallel replicas were fed batches of different shapes (first "
                               f"dimensions by replica: {sizes}); every replica must step on a batch of the "
                               "same size, since their gradients are averaged")
+        return code
 
     # ================================================================ placement
     def _start_alike(self, pieces: list[tuple[tuple, dict]]) -> None:

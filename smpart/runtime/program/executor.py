@@ -224,7 +224,6 @@ class RankRun:
         ambient: ambient_state.Ambient,
         grad_scale: float,
         microbatches: int,
-        on_gradients_final: Callable[[], None] | None = None,
     ) -> None:
         self.context = context
         self.me = context.me
@@ -247,7 +246,6 @@ class RankRun:
         self.ambient = ambient
         self.grad_scale = grad_scale
         self.microbatches = microbatches
-        self.on_gradients_final = on_gradients_final
         #: One rank (pp 1): nothing is held elsewhere, the glue needs no mode and calls no checks:
         #: a step is the micro-batch loop and, with data parallelism, the buckets (DDP's shape).
         self.checks_outputs = context.size > 1
@@ -278,8 +276,6 @@ class RankRun:
             for i, action in enumerate(self.actions()):
                 self.current, self.current_index = action, i
                 self._do(action)
-            if self.on_gradients_final is not None:
-                self.on_gradients_final()
         except BaseException as err:
             self._kill_bodies()
             if isinstance(err, PipelineError) and self.program is not None and err.args:

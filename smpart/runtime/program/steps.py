@@ -359,17 +359,17 @@ def drive(
     pieces: list[tuple[tuple, dict]],
     model: Any,
     reference: Callable[[], tuple[list[Any], Timeline]],
+    agree: Callable[[int], int],
 ) -> tuple[list[Any], Timeline]:
-    """One step on the first stage's rank under ``torchrun``: decide, tell the other ranks, run."""
+    """One step on the first stage's rank under ``torchrun``: decide, tell the other ranks, run.
+    ``agree(code)``, called once in every step, is the largest ``code`` of the data-parallel
+    replicas (1: the reference runtime): they run a step alike, on one runtime, so their
+    averages pair up (a replica whose first step failed places later)."""
     programs = programs_of(model) if model._runtime is runtime else None
     ambient = capture()
     config = runtime.config
-    # data-parallel replicas run a step alike, on one runtime (their averages pair up): one small
-    # all-reduce of the first stages' decisions (a replica whose first step failed places later)
-    agreeing = runtime.layout.dp > 1 and config.step_programs
     if programs is None:
-        if agreeing:
-            runtime.most_on_replicas(1)
+        agree(1)
         results, timeline, recorded = _reference(reference, "the first step places the model (recording)",
                                                  record=config.step_programs)
         programs = programs_of(model) if model._runtime is runtime else None
@@ -378,9 +378,13 @@ def drive(
                 step_key(fn, pieces, config, ambient, model), _with_reports(recorded, timeline)
             )
         return results, timeline
-    key = step_key(fn, pieces, config, ambient, model)
-    decision = programs.decide(key, config.step_programs)
-    if agreeing and runtime.most_on_replicas(int(decision.reference)) and not decision.reference:
+    try:
+        key = step_key(fn, pieces, config, ambient, model)
+        decision = programs.decide(key, config.step_programs)
+    except BaseException:
+        agree(1)  # the replicas' collectives still pair; the step fails on every replica
+        raise
+    if agree(int(decision.reference)) and not decision.reference:
         decision = Decision(key, "another data-parallel replica runs this step on the reference runtime")
     if decision.reference:
         results, timeline, recorded = _reference(reference, programs.reason_for(key) or decision.reason,
@@ -600,10 +604,8 @@ class ProcessProgramStep:
             lambda t: runtime.transport.receive(address, t),
             PROGRAM,
         )
-        final = runtime.gradients_final if runtime.layout.dp > 1 else None
-        run = RankRun(
-            context, self.step, self.program, self.fn, inputs, wire, self.ambient, scale, microbatches, final
-        )
+        run = RankRun(context, self.step, self.program, self.fn, inputs, wire, self.ambient, scale,
+                      microbatches)
         try:
             return run.run(), None, wire
         except BaseException as err:  # noqa: BLE001 - every rank of the step hears of it

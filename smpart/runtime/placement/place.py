@@ -83,8 +83,9 @@ def keep_hf_checkpoints_within_stages(model: nn.Module, partition: Partition) ->
     the partition spread that module over several stages, the recomputation would call the other
     stages from inside a backward segment, which waits for their turn (a hang): there it is turned
     off, with a warning, as smpart's own checkpointing is. Checked at placement and at every step
-    (the flag may be set after the first step); every rank decides alike, from the partition."""
-    flagged = [name for name, m in model.named_modules() if _hf_checkpointed(m)]
+    (the flag may be set after the first step); every rank decides alike, from the partition.
+    Each step looks at the modules that can hold the flag only (`_flaggable`)."""
+    flagged = [name for name, m in _flaggable(model, partition) if _hf_checkpointed(m)]
     if not flagged:
         return
     stages = module_stages(model, partition)
@@ -96,6 +97,21 @@ def keep_hf_checkpoints_within_stages(model: nn.Module, partition: Partition) ->
                           f"off: the partition put its modules on stages {sorted(spread)}, and recomputing "
                           "it would call other stages from inside the backward. Layers placed whole on one "
                           "stage still recompute", stacklevel=3)
+
+
+#: model -> (its partition, the modules with a ``gradient_checkpointing`` attribute, named)
+_FLAGGABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _flaggable(model: nn.Module, partition: Partition) -> list[tuple[str, nn.Module]]:
+    """The modules that can hold Hugging Face's flag: those with the attribute (transformers sets
+    the flag only where a module has it: a class attribute of its checkpointing layers), found
+    once per model and partition, not at every step (a walk of the whole tree)."""
+    known = _FLAGGABLE.get(model)
+    if known is None or known[0] is not partition:
+        named = [(name, m) for name, m in model.named_modules() if hasattr(m, "gradient_checkpointing")]
+        known = _FLAGGABLE[model] = (partition, named)
+    return known[1]
 
 
 def _hf_checkpointed(module: nn.Module) -> bool:

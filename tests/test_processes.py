@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import smpart
 from examples.models import ZOO
+from smpart.runtime.wire.messages import StepResult
 from tests.launch import run_ranks, values
 from tests.test_runtime import cross_entropy_step, lm_step, reference_step, train_side_by_side, train_step
 from tests.test_runtime_placement import Nested, SharedUse, TiedEncoderDecoder
@@ -196,6 +197,62 @@ def test_model_and_optimizer_state_dicts_asked_by_the_first_rank_alone_or_by_eve
     for got in results:
         for name, worst in got.items():
             assert worst <= TOL, (name, worst)
+
+
+def _hear_of_the_step_end_last(transport, step):
+    """``transport`` hands over the driver's `StepResult` for ``step`` after the next message on
+    the same address: another rank's request, sent once that rank heard of the end and stepped its
+    optimizer, overtakes it, as it may when this rank's receiver thread is slow."""
+    receive = transport.receive
+    later = []
+
+    def receive_late(address, timeout):
+        if later:
+            return later.pop(0)
+        message = receive(address, timeout)
+        if isinstance(message, StepResult) and message.step == step:
+            deadline = time.monotonic() + 10.0
+            overtaking = None
+            while overtaking is None and time.monotonic() < deadline:
+                overtaking = receive(address, 0.05)
+            if overtaking is not None:
+                later.append(message)
+                return overtaking
+        return message
+
+    transport.receive = receive_late
+
+
+def _state_asked_before_the_step_end_is_heard(rank):
+    from smpart.runtime.runtime import current_runtime
+
+    torch.manual_seed(0)
+    module = _ThreeBlocks().double()
+    reference = copy.deepcopy(module)
+    smpart.init(pipeline_parallel_degree=3, microbatches=2, pin={"": 0, "a": 0, "b": 1, "c": 2}, timeout_s=60)
+    dm = smpart.DistributedModel(module)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.5))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    if rank == 1:
+        _hear_of_the_step_end_last(current_runtime().transport, step=1)
+    for seed in range(2):  # the second step runs as a step program
+        g = torch.Generator().manual_seed(seed)
+        x, y = (torch.randn(8, n, generator=g, dtype=torch.float64) for n in (6, 1))
+        _mse_step(dm, x, y)
+        opt.step()
+        opt.zero_grad()
+        (sum(F.mse_loss(reference(a), b) for a, b in zip(x.chunk(2), y.chunk(2), strict=True)) / 2).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full, want = dm.state_dict(), reference.state_dict()
+    smpart.shutdown()
+    return max((full[k] - v).abs().max().item() for k, v in want.items())
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_asked_for_its_state_before_it_hears_that_the_step_ended_answers_after_its_optimizer_step():
+    for worst in values(run_ranks(_state_asked_before_the_step_end_is_heard, 3, timeout_s=110)):
+        assert worst <= TOL
 
 
 def _resumed_before_the_first_step(rank):

@@ -206,9 +206,11 @@ class ProcessRuntime(Runtime):
                     timeout_s: float, recorder: templates.Recorder | None) -> tuple[list[Any], Any]:
         # A step may take longer than timeout_s (a limit on each wait); give up only when neither the
         # driver's rank answered nor this stage heard anything for that long.
+        program_begun = False  # a program step begins here without the stage server hearing of it
         while time.monotonic() - max(started, self.server.last_activity) < timeout_s:
             message = self._deferred.pop(0) if self._deferred else self.transport.receive(main, POLL_S)
             if isinstance(message, BeginProgram):
+                program_begun = True
                 templates.start_recording(None)
                 program_steps.follow(self, message, fn, model, pieces)
                 templates.start_recording(recorder)  # a step given up runs again on the reference runtime
@@ -216,8 +218,9 @@ class ProcessRuntime(Runtime):
                 continue
             if isinstance(message, StateRequest):
                 # Until the step begins here (the driver's rank asking before it begins it), this
-                # rank's parameters hold still; after, they do once the optimizer has stepped.
-                if self.server.begun < step:
+                # rank's parameters hold still; after, they do once the optimizer has stepped: a
+                # rank whose step ended first asks before the driver's `StepResult` reaches this one.
+                if self.server.begun < step and not program_begun:
                     self.states.answer(message)
                 else:
                     self.states.keep(message)

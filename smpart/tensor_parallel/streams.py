@@ -55,37 +55,39 @@ class Suspended:
     own: torch.Tensor  # the rank's stream's state when it was suspended
 
 
-_live: _Region | None = None  # at most one: only the holder of a stage's turn draws
+#: The split region open now, at most one (only the holder of a stage's turn draws); None outside
+#: one, which the step program's hot paths test before calling `leave` or `suspend`.
+live: _Region | None = None
 _lock = threading.Lock()
 
 
 def enter(device: torch.device, tp_rank: int) -> None:
     """A split region begins: ``device``'s default generator draws from ``tp_rank``'s stream."""
-    global _live
+    global live
     generator = _generator(device)
     with _lock:
-        if _is_live(_live, generator):
+        if _is_live(live, generator):
             return  # q, k and v projections split one after the other: one region
         shared_seed = _draw_seed(generator)
         seed = _mix(shared_seed, tp_rank)
-        _live = _Region(generator, seed, generator.get_state())
+        live = _Region(generator, seed, generator.get_state())
         generator.manual_seed(seed)
 
 
 def leave() -> None:
     """The split region ends: the generator takes back the shared stream (no-op outside one)."""
-    global _live
+    global live
     with _lock:
-        region, _live = _live, None
+        region, live = live, None
         if _is_live(region, region.generator if region else None):
             region.generator.set_state(region.shared)
 
 
 def suspend() -> Suspended | None:
     """Leave a live region for now, keeping the rank's stream where it is (None outside one)."""
-    global _live
+    global live
     with _lock:
-        region, _live = _live, None
+        region, live = live, None
         if not _is_live(region, region.generator if region else None):
             return None
         kept = Suspended(region.generator, region.seed, region.generator.get_state())
@@ -95,12 +97,12 @@ def suspend() -> Suspended | None:
 
 def resume(suspended: Suspended | None) -> None:
     """Go on drawing from a suspended region's stream, from the shared stream's present state."""
-    global _live
+    global live
     if suspended is None:
         return
     with _lock:
         generator = suspended.generator
-        _live = _Region(generator, suspended.seed, generator.get_state())
+        live = _Region(generator, suspended.seed, generator.get_state())
         generator.set_state(suspended.own)
 
 

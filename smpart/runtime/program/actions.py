@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from smpart.errors import SmpartError
@@ -84,8 +85,16 @@ class Program:
     #: (None: it runs to the end), see `stop_points`.
     stops: list[int | None] = field(default_factory=list)
 
-    def loss_action(self, rank: int, microbatch: int) -> Action:
-        return next(a for a in self.actions[rank] if a.inline and a.microbatch == microbatch)
+    @cached_property
+    def labels(self) -> list[list[str]]:
+        """Each rank's actions by name, in order (what a timeline's ``started`` lists), named once
+        per program rather than at every step."""
+        return [[str(a) for a in actions] for actions in self.actions]
+
+    @cached_property
+    def loss_labels(self) -> list[dict[int, str]]:
+        """Per rank: micro-batch -> the name of its loss's backward (an inline ``B``) there."""
+        return [{a.microbatch: str(a) for a in actions if a.inline} for actions in self.actions]
 
     def lines(self) -> list[str]:
         """Each rank's list with its sends and receives: ``rank 1: RECV_F0 F0 SEND_F0 ...``."""

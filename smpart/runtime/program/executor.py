@@ -147,14 +147,15 @@ class Suspension:
         region too: what the loop runs meanwhile draws from the shared random stream."""
         stack = torch._C._len_torch_function_stack()
         self.modes = [torch._C._pop_torch_function_stack() for _ in range(stack)]
-        self.region = streams.suspend()
+        self.region = streams.suspend() if streams.live is not None else None
         _set_ambient(base)
         _set_frame(None)
 
     def resume(self) -> None:
         _set_ambient(self.ambient)
         _set_frame(self.frame)
-        streams.resume(self.region)
+        if self.region is not None:
+            streams.resume(self.region)
         for mode in reversed(self.modes):
             torch._C._push_on_torch_function_stack(mode)
 
@@ -265,17 +266,19 @@ class RankRun:
         self.span_start = 0.0  # where the span of the forward running now began
 
     # ================================================================ the actions
-    def actions(self) -> list[Action]:
+    def actions(self) -> tuple[list[Action], list[str]]:
+        """This rank's actions and their names."""
         if self.program is not None:
-            return self.program.actions[self.me]
-        return discovery_actions(self.microbatches)
+            return self.program.actions[self.me], self.program.labels[self.me]
+        actions = discovery_actions(self.microbatches)
+        return actions, [str(a) for a in actions]
 
     def run(self) -> RankReport:
         self.loop = getcurrent()
         try:
-            for i, action in enumerate(self.actions()):
+            for i, (action, label) in enumerate(zip(*self.actions(), strict=True)):
                 self.current, self.current_index = action, i
-                self._do(action)
+                self._do(action, label)
         except BaseException as err:
             self._kill_bodies()
             if isinstance(err, PipelineError) and self.program is not None and err.args:
@@ -289,11 +292,11 @@ class RankRun:
             release_placeholders(self.kept_placeholders)
         return self.report
 
-    def _do(self, action: Action) -> None:
+    def _do(self, action: Action, label: str) -> None:
         kind = action.kind
         if kind == "F":
             self.span_start = time.time()
-            self.report.started.append(str(action))
+            self.report.started.append(label)
             self._resume(action.microbatch)
             self.report.spans.append((action.microbatch, "forward", self.span_start, time.time()))
         elif kind == "B":
@@ -302,7 +305,7 @@ class RankRun:
             if action.microbatch not in self.runs:  # nothing of it is left on this rank
                 return
             start = time.time()
-            self.report.started.append(str(action))
+            self.report.started.append(label)
             self._backward_rounds(action.microbatch, action.rounds)
             self.report.spans.append((action.microbatch, "backward", start, time.time()))
 
@@ -322,10 +325,12 @@ class RankRun:
         try:
             with running(run.frame), self.ambient.applied(), mode:
                 result = self.fn(*args, **kwargs)
-                streams.leave()  # a split region left open (its row partner on another rank) ends here
+                if streams.live is not None:  # a split region left open (its row partner on another rank)
+                    streams.leave()
                 run.finish(result)
         except BodyDone:  # the rest of the body has nothing for this rank
-            streams.leave()
+            if streams.live is not None:
+                streams.leave()
             run.flush_sends()
         if run.leaves:  # gradients no root of this rank can reach (none, without a backward) go now
             sent = send_final_leaves(run, max((root.pos for root in run.roots), default=-1), self.wire)
@@ -371,7 +376,7 @@ class RankRun:
         name = (
             f"B{run.microbatch}"
             if self.program is None
-            else str(self.program.loss_action(self.me, run.microbatch))
+            else self.program.loss_labels[self.me][run.microbatch]
         )
         self.report.started.append(name)
         self._backward(run, [loss], [grad], retain=bool(run.roots))

@@ -499,7 +499,8 @@ class MicrobatchRun:
             return self._called_here(staged, args, kwargs)
 
     def _called_elsewhere(self, staged: Any, owner: int, args: tuple, kwargs: dict) -> Any:
-        streams.leave()  # a split region ends where the call leaves this rank (`streams`)
+        if streams.live is not None:  # a split region ends where the call leaves this rank (`streams`)
+            streams.leave()
         rank = self.rank
         self.event(("call", staged.name, owner))
         for t in _operands(args, kwargs):

@@ -201,7 +201,7 @@ def step_key(fn: Any, pieces: list[tuple[tuple, dict]], config: Any, ambient: An
         getattr(fn, "__qualname__", repr(fn)),
         id(fn),
         len(pieces),
-        config.schedule,
+        config.pipeline,  # the name as configured: an alias keys alike every step
         config.active_microbatches,
         tuple(inputs(p) for p in pieces),
         ambient,

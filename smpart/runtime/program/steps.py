@@ -270,7 +270,7 @@ class ThreadProgramStep:
             start,
             duration,
             self.size,  # type: ignore[union-attr]
-            config.schedule,
+            self.program.schedule if self.program is not None else config.schedule,
             len(self.pieces),
         )
         timeline.started = {r.rank: list(r.started) for r in reports}  # type: ignore[union-attr]
@@ -522,7 +522,7 @@ class ProcessProgramStep:
             start,
             duration,
             self.size,
-            runtime.config.schedule,
+            self.program.schedule if self.program is not None else runtime.config.schedule,
             len(pieces),
         )
         timeline.started = {r.rank: list(r.started) for r in reports}

@@ -8,9 +8,11 @@ thing without a GPU: GPT-2 small's module tree (12 blocks, tied embeddings) at a
 the matrix products cost next to nothing and the step is the host's own work, split as smpart
 splits GPT-2 small at full size (the partition pinned, as in `bench/backward_work.py`), on
 threads. Printed: the unsplit model's step on the same 4 micro-batches one after the other, and
-smpart's (its step programs, and the reference runtime with programs off), with what smpart adds
-per step and per micro-batch; medians over ``--steps`` after
-warm-up, the configurations alternating over ``--rounds``.
+smpart's: its step programs with every stage on one thread (what a run on CUDA devices gets,
+``Config.stage_threads="auto"``: kernel launches do not block the host) and with a thread per
+stage (what CPU devices get), and the reference runtime with programs off; wall and CPU time
+(every thread of the process) per step, what smpart adds per step and per micro-batch; medians
+over ``--steps`` after warm-up, the configurations alternating over ``--rounds``.
 
     .venv/bin/python bench/host_overhead.py [--stages 2 4] [--steps 20] [--rounds 2]
 """
@@ -43,18 +45,28 @@ from examples.models import gpt2_small  # noqa: E402
 BATCH = 2 * MICROBATCHES
 
 
-def _median_ms(step, steps: int) -> float:
+#: The runtimes compared: name -> `smpart.init` switches.
+RUNTIMES = {
+    "program, one thread": dict(step_programs=True, stage_threads="one"),
+    "program, thread per stage": dict(step_programs=True, stage_threads="per-stage"),
+    "reference": dict(step_programs=False),
+}
+
+
+def _median_ms(step, steps: int) -> tuple[float, float]:
+    """Median wall and CPU (every thread of this process) milliseconds of ``step``."""
     for _ in range(WARMUP_STEPS):  # the first places the model; holding learns from the rest
         step()
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        cpu.append(time.process_time() - start_cpu)
+    return statistics.median(times) * 1e3, statistics.median(cpu) * 1e3
 
 
-def unsplit_ms(example, steps: int) -> float:
+def unsplit_ms(example, steps: int) -> tuple[float, float]:
     model = copy.deepcopy(example.model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     args, _, target = example.batch(BATCH, seed=0)
@@ -68,9 +80,9 @@ def unsplit_ms(example, steps: int) -> float:
 
 
 def smpart_ms(example, steps: int, stages: int, schedule: str, pins: dict[str, int],
-              programs: bool = True) -> float:
+              runtime: str = "program, one thread") -> tuple[float, float]:
     smpart.init(pipeline_parallel_degree=stages, microbatches=MICROBATCHES, pipeline=schedule, pin=pins,
-                step_programs=programs)
+                **RUNTIMES[runtime])
     try:
         model = smpart.DistributedModel(copy.deepcopy(example.model))
         opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
@@ -101,28 +113,29 @@ def main() -> None:
     a = parser.parse_args()
     torch.set_num_threads(1)
     example = gpt2_small(**TINY)
-    configs = [(stages, schedule, programs) for stages in a.stages for schedule in ("gpipe", "1f1b")
-               for programs in (True, False)]
+    configs = [(stages, schedule, runtime) for stages in a.stages for schedule in ("gpipe", "1f1b")
+               for runtime in RUNTIMES]
     pins = {stages: full_size_partition(stages, a.batch) for stages in a.stages}
-    unsplit: list[float] = []
-    split: dict[tuple[int, str, bool], list[float]] = {config: [] for config in configs}
+    unsplit: list[tuple[float, float]] = []
+    split: dict[tuple[int, str, str], list[tuple[float, float]]] = {config: [] for config in configs}
     for _ in range(a.rounds):
         unsplit.append(unsplit_ms(example, a.steps))
-        for stages, schedule, programs in configs:
-            split[(stages, schedule, programs)].append(
-                smpart_ms(example, a.steps, stages, schedule, pins[stages], programs))
-    base = statistics.median(unsplit)
+        for stages, schedule, runtime in configs:
+            split[(stages, schedule, runtime)].append(
+                smpart_ms(example, a.steps, stages, schedule, pins[stages], runtime))
+    base, base_cpu = (statistics.median(column) for column in zip(*unsplit, strict=True))
     title = (f"GPT-2 small's module tree at width {TINY['n_embd']} on this CPU (1 intra-op thread), "
              f"{MICROBATCHES} micro-batches, smpart on threads; medians of {a.rounds} rounds")
     table = Table(title=title)
-    for column in ("configuration", "step ms", "÷ unsplit", "added ms / step", "added ms / micro-batch"):
+    for column in ("configuration", "step ms", "÷ unsplit", "CPU ms", "CPU ÷ unsplit", "added ms / step",
+                   "added ms / micro-batch"):
         table.add_column(column, justify="left" if column == "configuration" else "right")
-    table.add_row("unsplit", f"{base:.1f}", "1.00", "", "")
-    for (stages, schedule, programs), times in split.items():
-        ms = statistics.median(times)
-        runtime = "program" if programs else "reference"
+    table.add_row("unsplit", f"{base:.1f}", "1.00", f"{base_cpu:.1f}", "1.00", "", "")
+    for (stages, schedule, runtime), times in split.items():
+        ms, cpu = (statistics.median(column) for column in zip(*times, strict=True))
+        added = ms - base
         table.add_row(f"smpart, {stages} stages, {schedule}, {runtime}", f"{ms:.1f}", f"{ms / base:.2f}",
-                      f"{ms - base:.1f}", f"{(ms - base) / MICROBATCHES:.1f}")
+                      f"{cpu:.1f}", f"{cpu / base_cpu:.2f}", f"{added:.1f}", f"{added / MICROBATCHES:.1f}")
     Console().print(table)
 
 

@@ -21,6 +21,7 @@ PIPELINE_ALIASES = {"simple": "gpipe", "interleaved": "1f1b"}
 PLACEMENT_STRATEGIES = ("cluster", "spread")
 BACKENDS = ("auto", "gloo", "nccl")
 TRACE_DEVICES = ("meta", "real")
+STAGE_THREADS = ("auto", "one", "per-stage")
 
 
 @dataclass
@@ -92,6 +93,11 @@ class Config:
     #: each kind, and any step its program cannot run, runs on the reference runtime. Only speed
     #: changes. ``SMPART_PROGRAMS=0`` sets the default.
     step_programs: bool = field(default_factory=lambda: os.environ.get("SMPART_PROGRAMS", "1") != "0")
+    #: On threads, where a step program runs its stages: "one" thread (the caller's), switching
+    #: where a stage waits for a transfer; "per-stage" threads; "auto": one thread when every
+    #: stage is on a CUDA device (`smpart.runtime.program.one_thread`). Only speed changes.
+    #: ``SMPART_STAGE_THREADS`` sets the default.
+    stage_threads: str = field(default_factory=lambda: os.environ.get("SMPART_STAGE_THREADS", "auto"))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -161,6 +167,8 @@ class Config:
             _positive_int("active_microbatches", self.active_microbatches)
         if self.pipeline not in PIPELINES:
             raise ConfigError(f"pipeline must be one of {PIPELINES}, got {self.pipeline!r}")
+        if self.stage_threads not in STAGE_THREADS:
+            raise ConfigError(f"stage_threads must be one of {STAGE_THREADS}, got {self.stage_threads!r}")
         if self.trace_device not in TRACE_DEVICES:
             raise ConfigError(f"trace_device must be one of {TRACE_DEVICES}, got {self.trace_device!r}")
         if isinstance(self.memory_weight, bool) or not isinstance(self.memory_weight, int | float):

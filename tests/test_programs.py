@@ -585,3 +585,80 @@ def test_random_numbers_the_glue_draws_are_drawn_once():
             assert (p.grad - q.grad).abs().max() <= TOL
             p.grad = q.grad = None
     assert out.timeline.runtime == "program"
+
+
+# ==================================================================== every stage on one thread
+def _no_program_thread_started() -> bool:
+    from smpart.runtime.runtime import current_runtime
+
+    return current_runtime().program_threads == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("stages", "schedule"), [(2, "1f1b"), (4, "1f1b"), (4, "gpipe")])
+def test_every_stage_on_one_thread_runs_its_list_like_the_unsplit_model(stages, schedule):
+    """``stage_threads="one"`` (what CUDA devices get): the same lists, in the same order on
+    each stage, the same results, and no stage thread started."""
+    microbatches = 8
+    dm, timelines = train_both(Chain(), 4, microbatches, pipeline_parallel_degree=stages, pipeline=schedule,
+                               pin=chain_pins(stages), stage_threads="one")
+    assert runtimes(timelines) == ["reference", "program", "program", "program"]
+    program = smpart.program_of(dm)
+    for timeline in timelines[2:]:
+        assert timeline.started == {s: [str(a) for a in program.actions[s]] for s in range(stages)}
+    if schedule == "1f1b":
+        assert timelines[-1].started == {s: torch_1f1b(s, stages, microbatches) for s in range(stages)}
+    assert _no_program_thread_started()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["gpt2", "t5", "albert"])
+def test_zoo_models_on_one_thread_equal_the_unsplit_model(name, monkeypatch):
+    """Tied embeddings, keyword arguments and dict outputs, a layer reused on every stage."""
+    from tests.test_runtime import ZOO, train_side_by_side
+
+    monkeypatch.setenv("SMPART_STAGE_THREADS", "one")
+    _, _, out, diff = train_side_by_side(ZOO[name], 3, 4, "interleaved", steps=3)
+    diff.assert_within(1e-5, name)
+    assert out.timeline.runtime == "program", out.timeline.reason
+    assert _no_program_thread_started()
+
+
+@pytest.mark.timeout(120)
+def test_a_module_error_on_one_thread_names_where_it_happened_and_the_next_step_runs(monkeypatch):
+    monkeypatch.setenv("SMPART_STAGE_THREADS", "one")
+    test_a_module_error_in_a_program_step_names_where_it_happened_and_the_next_step_runs()
+    assert _no_program_thread_started()
+
+
+@pytest.mark.timeout(30)
+def test_stages_on_one_thread_that_wait_for_each_other_all_fail_naming_what_each_waited_for():
+    from smpart.runtime.program.executor import Aborted, ThreadWire
+    from smpart.runtime.program.one_thread import OneThread
+
+    wire = ThreadWire(2, timeout_s=30)
+    failures = {}
+
+    def stage(me: int, other: int):
+        def job():
+            try:
+                wire.at(me).receive(("F", 0, me), other)
+            except Aborted as err:
+                failures[me] = str(err)
+        return job
+
+    OneThread(wire).run([stage(0, 1), stage(1, 0)])
+    assert set(failures) == {0, 1}
+    assert "stage 0 for activation 0 of micro-batch 0 from stage 1" in failures[0]
+    assert "stage 1 for activation 1 of micro-batch 0 from stage 0" in failures[1]
+
+
+def test_one_thread_is_the_default_where_every_stage_is_on_a_cuda_device():
+    from smpart.runtime.program.one_thread import uses_one_thread
+
+    cuda, cpu = [torch.device("cuda", 0), torch.device("cuda", 1)], [torch.device("cpu")] * 2
+    assert uses_one_thread("auto", cuda) and not uses_one_thread("auto", cpu)
+    assert not uses_one_thread("auto", [torch.device("cuda", 0), torch.device("cpu")])
+    assert uses_one_thread("one", cpu) and not uses_one_thread("per-stage", cuda)
+    with pytest.raises(smpart.ConfigError, match="stage_threads"):
+        smpart.Config(stage_threads="two")

@@ -73,6 +73,8 @@ class ThreadWire:
         self.abort: Aborted | None = None
         self.sent_bytes: dict[tuple[int, int], int] = {}
         self.messages: dict[tuple[int, int], int] = {}
+        #: Set when every stage runs on one thread (`one_thread.OneThread`): a receive switches.
+        self.one_thread: Any = None
 
     def at(self, me: int) -> _ThreadEnd:
         return _ThreadEnd(self, me)
@@ -83,6 +85,8 @@ class ThreadWire:
                 self.abort = why
             for arrived in self.arrived:
                 arrived.notify_all()
+        if self.one_thread is not None:
+            self.one_thread.wake_all()
 
 
 class _ThreadEnd:
@@ -101,9 +105,13 @@ class _ThreadEnd:
             wire.sent_bytes[pair] = wire.sent_bytes.get(pair, 0) + size
             wire.messages[pair] = wire.messages.get(pair, 0) + 1
             wire.arrived[to].notify()
+        if wire.one_thread is not None:
+            wire.one_thread.arrived(to, [key for key, _, _ in items])
 
     def receive(self, key: tuple, src: int) -> tuple[torch.Tensor | None, bool]:
         wire = self.wire
+        if wire.one_thread is not None:
+            return wire.one_thread.receive(self.me, key, src)
         deadline = time.monotonic() + wire.timeout_s
         with wire.lock:
             box = wire.boxes[self.me]
@@ -114,7 +122,7 @@ class _ThreadEnd:
                 if left <= 0:
                     raise PipelineError(
                         f"rank {self.me} waited more than {wire.timeout_s} s for "
-                        f"{_describe_key(key)} from rank {src} (a hang?)",
+                        f"{describe_key(key)} from rank {src} (a hang?)",
                         stage=self.me,
                         microbatch=key[1],
                     )
@@ -125,7 +133,7 @@ class _ThreadEnd:
         self.wire.fail(why)
 
 
-def _describe_key(key: tuple) -> str:
+def describe_key(key: tuple) -> str:
     kind, mb, k = key
     return f"{'activation' if kind == 'F' else 'gradient'} {k} of micro-batch {mb}"
 
@@ -514,7 +522,7 @@ class ProcessWire:
                 if time.monotonic() > deadline:
                     raise PipelineError(
                         f"rank {self.rank} waited more than {self.timeout_s} s for "
-                        f"{_describe_key(key)} from pipeline rank {src} (a hang?)",
+                        f"{describe_key(key)} from pipeline rank {src} (a hang?)",
                         microbatch=key[1],
                         rank=self.rank,
                     )

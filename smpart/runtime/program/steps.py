@@ -31,6 +31,7 @@ from smpart.runtime.program.actions import Program, RankShape, build
 from smpart.runtime.program.executor import Aborted, ProcessWire, RankReport, RankRun, ThreadWire
 from smpart.runtime.program.guards import Decision, ModelPrograms, Snapshot, step_key
 from smpart.runtime.program.messages import PROGRAM, BeginProgram, ProgramAbort, ProgramReport
+from smpart.runtime.program.one_thread import OneThread, uses_one_thread
 from smpart.runtime.program.templates import Diverged
 from smpart.runtime.timeline import Timeline
 from smpart.runtime.wire.messages import MAIN
@@ -244,11 +245,14 @@ class ThreadProgramStep:
                 )
             )
         start = time.time()
-        pool = program_threads(self.runtime, self.size)
         done: queue.SimpleQueue = queue.SimpleQueue()
-        for stage in range(1, self.size):
-            pool[stage - 1].submit(lambda run=runs[stage]: _run_reporting(run, wire, done))
-        _run_reporting(runs[0], wire, done)
+        if uses_one_thread(config.stage_threads, self.runtime.devices[: self.size]):
+            OneThread(wire).run([lambda run=run: _run_reporting(run, wire, done) for run in runs])
+        else:
+            pool = program_threads(self.runtime, self.size)
+            for stage in range(1, self.size):
+                pool[stage - 1].submit(lambda run=runs[stage]: _run_reporting(run, wire, done))
+            _run_reporting(runs[0], wire, done)
         reports: list[RankReport | None] = [None] * self.size
         errors = []
         deadline = time.monotonic() + config.timeout_s + 5

@@ -283,7 +283,7 @@ class MicrobatchRun:
         if _in_place(func):
             return self._in_place(func, args, kwargs, tensors, mask)
         if mask >> self.me & 1:
-            out = self._here(func, args, kwargs)
+            out = self._here(func, args, kwargs) if swap else func(*args, **kwargs)
             self.mark(out, mask)
             return out
         return self._lazy(func, args, kwargs, mask)
@@ -532,7 +532,8 @@ class MicrobatchRun:
         if leaves:
             for t in leaves:
                 self.make_available(self.me, t)
-            args, kwargs = _swap_placeholders((args, kwargs), self.real)
+            if any(type(t) is Placeholder for t in leaves):
+                args, kwargs = _swap_placeholders((args, kwargs), self.real)
         self.flush_sends()  # the ranks waiting for what this one sent need not wait for its work too
         self.structure.append(("compute",))
         try:

@@ -261,14 +261,16 @@ DEMOTED = "demoted"
 VARIES = "varies"
 
 
-_recorder: Recorder | None = None
+#: The recorder of the reference step running now, if it records (`start_recording`); a module
+#: call reads it at every call, so it is a plain module attribute.
+recorder: Recorder | None = None
 
 
 def recording() -> Recorder | None:
     """The recorder of the reference step running now, if it records."""
-    return _recorder
+    return recorder
 
 
-def start_recording(recorder: Recorder | None) -> None:
-    global _recorder
-    _recorder = recorder
+def start_recording(active: Recorder | None) -> None:
+    global recorder
+    recorder = active

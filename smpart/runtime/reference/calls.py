@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from torch import nn
@@ -60,10 +60,11 @@ class Frame:
     #: A step program's glue (`program.glue`): every module call goes to the endpoint's
     #: ``glue_call``, which runs a split module here and a whole one on its rank.
     glue: bool = False
+    #: The endpoint's stage (read at every module call).
+    stage: int | None = field(init=False)
 
-    @property
-    def stage(self) -> int | None:
-        return self.endpoint.stage
+    def __post_init__(self) -> None:
+        self.stage = self.endpoint.stage
 
 
 _local = threading.local()
@@ -125,11 +126,11 @@ class StagedForward(WrappedForward):
         self.stage = stage
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        frame = current_frame()
+        frame = getattr(_local, "frame", None)
         if frame is None:  # outside a step (threads: every stage is here; processes: only its own)
             if holds_meta(self.module, recurse=False):
                 raise only_inside_a_step(f"module {self.name!r}")
-            return self.run_here(None, args, kwargs)
+            return self._forward(None, args, kwargs)
         if frame.glue:
             return frame.endpoint.glue_call(self, args, kwargs)
         if frame.stage != self.stage:
@@ -137,10 +138,12 @@ class StagedForward(WrappedForward):
             return frame.endpoint.call(frame, self.stage, self.model, self.name, args, kwargs)
         if frame.claim is None:  # a resumed call, running as glue
             frame.endpoint.enter_compute(frame)
+        if templates.recorder is None:  # the common case, every call of a program step: the forward
+            return self._forward(frame, args, kwargs)
         return self.run_here(frame, args, kwargs)
 
     def run_here(self, frame: Frame | None, args: tuple, kwargs: dict) -> Any:
-        recorder = templates.recording() if frame is not None else None
+        recorder = templates.recorder if frame is not None else None
         if recorder is not None and recorder.enter(self.model, self.name):
             try:
                 output = self._forward(frame, args, kwargs)

@@ -162,17 +162,29 @@ def call_key(model: int, name: str, args: tuple, kwargs: dict) -> tuple:
     return (model, name, signature((args, kwargs)), capture())
 
 
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
 def signature(value: Any) -> tuple:
     """A call's arguments as a hashable key: tensors by shape, dtype and requires_grad, plain values
-    as they are, any other object by its type."""
+    as they are, any other object by its type. A sequence's tensors and placeholders are read in
+    its loop: every call of a step program asks, mostly of a few tensors."""
     kind = type(value)
     if kind is tuple or kind is list:
-        return (kind.__name__, *[signature(v) for v in value])
+        out = [kind.__name__]
+        for v in value:
+            k = type(v)
+            if k is Placeholder:
+                out.append(v._sig)
+            elif k in _PLAIN_TENSORS:
+                out.append(("T", tuple(v.shape), v.dtype, v.requires_grad))
+            else:
+                out.append(signature(v))
+        return tuple(out)
     if kind is dict:
         return ("dict", *[(k, signature(v)) for k, v in value.items()])
-    sig = getattr(value, "_sig", None) if kind.__name__ == "Placeholder" else None
-    if sig is not None:
-        return sig
+    if kind is Placeholder:
+        return value._sig
     if isinstance(value, torch.Tensor):
         return ("T", tuple(value.shape), value.dtype, value.requires_grad)
     if value is None or boundary.is_plain(kind):

@@ -654,7 +654,7 @@ def test_stages_on_one_thread_that_wait_for_each_other_all_fail_naming_what_each
 
 
 def test_one_thread_is_the_default_where_every_stage_is_on_a_cuda_device():
-    from smpart.runtime.program.one_thread import uses_one_thread
+    from smpart.runtime.program.steps import uses_one_thread
 
     cuda, cpu = [torch.device("cuda", 0), torch.device("cuda", 1)], [torch.device("cpu")] * 2
     assert uses_one_thread("auto", cuda) and not uses_one_thread("auto", cpu)

@@ -14,7 +14,7 @@ What one thread gives up is host-side parallelism between stages. A CUDA kernel 
 once, so one thread issuing every stage's work in program order keeps every device busy, as the
 unsplit model's one thread keeps its one device busy. Where the stages compute on the host (CPU
 devices, or anything that blocks), their work would run one after the other: there each stage
-keeps a thread of its own (``Config.stage_threads``, `uses_one_thread`).
+keeps a thread of its own (``Config.stage_threads``, `steps.uses_one_thread`).
 
 A stage that stops takes torch's thread-local state with it (`executor.Suspension`). Every stage
 waiting with nothing in flight cannot happen with a program that passed its dry run
@@ -31,14 +31,6 @@ import torch
 from greenlet import getcurrent, greenlet
 
 from smpart.runtime.program.executor import Aborted, Suspension, ThreadWire, describe_key
-
-
-def uses_one_thread(setting: str, devices: list[torch.device]) -> bool:
-    """Whether a program step on threads runs every stage on one thread: ``setting`` "one",
-    or "auto" with every stage on a CUDA device (launches that do not block the host)."""
-    if setting == "auto":
-        return all(device.type == "cuda" for device in devices)
-    return setting == "one"
 
 
 class OneThread:

@@ -31,7 +31,7 @@ from smpart.runtime.program.actions import Program, RankShape, build
 from smpart.runtime.program.executor import Aborted, ProcessWire, RankReport, RankRun, ThreadWire
 from smpart.runtime.program.guards import Decision, ModelPrograms, Snapshot, step_key
 from smpart.runtime.program.messages import PROGRAM, BeginProgram, ProgramAbort, ProgramReport
-from smpart.runtime.program.one_thread import OneThread, uses_one_thread
+from smpart.runtime.program.one_thread import OneThread
 from smpart.runtime.program.templates import Diverged
 from smpart.runtime.timeline import Timeline
 from smpart.runtime.wire.messages import MAIN
@@ -198,6 +198,14 @@ def shapes_of(reports: list[RankReport]) -> tuple[list[RankShape], list[list[tup
         shapes.append(RankShape(report.forward[first], report.backward.get(first, [((), ())])))
         events.append(report.events[first])
     return shapes, events
+
+
+def uses_one_thread(setting: str, devices: list[torch.device]) -> bool:
+    """Whether a program step on threads runs every stage on one thread (`one_thread`): ``setting``
+    "one", or "auto" with every stage on a CUDA device (launches that do not block the host)."""
+    if setting == "auto":
+        return all(device.type == "cuda" for device in devices)
+    return setting == "one"
 
 
 class ThreadProgramStep:

@@ -12,7 +12,8 @@ smpart's: its step programs with every stage on one thread (what a run on CUDA d
 ``Config.stage_threads="auto"``: kernel launches do not block the host) and with a thread per
 stage (what CPU devices get), and the reference runtime with programs off; wall and CPU time
 (every thread of the process) per step, what smpart adds per step and per micro-batch; medians
-over ``--steps`` after warm-up, the configurations alternating over ``--rounds``.
+over ``--steps`` after warm-up, the configurations alternating over ``--rounds``, each one's
+ratios to an unsplit step measured right before it (this box's speed drifts from minute to minute).
 
     .venv/bin/python bench/host_overhead.py [--stages 2 4] [--steps 20] [--rounds 2]
 """
@@ -116,26 +117,30 @@ def main() -> None:
     configs = [(stages, schedule, runtime) for stages in a.stages for schedule in ("gpipe", "1f1b")
                for runtime in RUNTIMES]
     pins = {stages: full_size_partition(stages, a.batch) for stages in a.stages}
+    # The unsplit step is measured next to every configuration, and each ratio is of that pair:
+    # this box's speed drifts by tens of percent between minutes, which a single baseline would add.
     unsplit: list[tuple[float, float]] = []
-    split: dict[tuple[int, str, str], list[tuple[float, float]]] = {config: [] for config in configs}
+    split: dict[tuple[int, str, str], list[tuple[float, float, float, float]]] = {c: [] for c in configs}
     for _ in range(a.rounds):
-        unsplit.append(unsplit_ms(example, a.steps))
         for stages, schedule, runtime in configs:
-            split[(stages, schedule, runtime)].append(
-                smpart_ms(example, a.steps, stages, schedule, pins[stages], runtime))
+            base_ms, base_cpu = unsplit_ms(example, a.steps)
+            ms, cpu = smpart_ms(example, a.steps, stages, schedule, pins[stages], runtime)
+            unsplit.append((base_ms, base_cpu))
+            split[(stages, schedule, runtime)].append((ms, cpu, ms / base_ms, cpu / base_cpu))
     base, base_cpu = (statistics.median(column) for column in zip(*unsplit, strict=True))
     title = (f"GPT-2 small's module tree at width {TINY['n_embd']} on this CPU (1 intra-op thread), "
-             f"{MICROBATCHES} micro-batches, smpart on threads; medians of {a.rounds} rounds")
+             f"{MICROBATCHES} micro-batches, smpart on threads; medians of {a.rounds} rounds, each ratio "
+             "to the unsplit step measured beside it")
     table = Table(title=title)
     for column in ("configuration", "step ms", "÷ unsplit", "CPU ms", "CPU ÷ unsplit", "added ms / step",
                    "added ms / micro-batch"):
         table.add_column(column, justify="left" if column == "configuration" else "right")
     table.add_row("unsplit", f"{base:.1f}", "1.00", f"{base_cpu:.1f}", "1.00", "", "")
     for (stages, schedule, runtime), times in split.items():
-        ms, cpu = (statistics.median(column) for column in zip(*times, strict=True))
+        ms, cpu, ratio, cpu_ratio = (statistics.median(column) for column in zip(*times, strict=True))
         added = ms - base
-        table.add_row(f"smpart, {stages} stages, {schedule}, {runtime}", f"{ms:.1f}", f"{ms / base:.2f}",
-                      f"{cpu:.1f}", f"{cpu / base_cpu:.2f}", f"{added:.1f}", f"{added / MICROBATCHES:.1f}")
+        table.add_row(f"smpart, {stages} stages, {schedule}, {runtime}", f"{ms:.1f}", f"{ratio:.2f}",
+                      f"{cpu:.1f}", f"{cpu_ratio:.2f}", f"{added:.1f}", f"{added / MICROBATCHES:.1f}")
     Console().print(table)
 
 

@@ -209,7 +209,8 @@ def uses_one_thread(setting: str, devices: list[torch.device]) -> bool:
 
 
 class ThreadProgramStep:
-    """A program step on threads: every stage's `RankRun` at once, stage 0 on this thread."""
+    """A program step on threads: every stage's `RankRun` at once, each on a thread of its own
+    (stage 0 on this one) or all on this thread (`one_thread`, `uses_one_thread`)."""
 
     def __init__(
         self,

@@ -134,6 +134,18 @@ class _ThreeBlocks(torch.nn.Module):
         return self.c(self.b(self.a(x)))
 
 
+def _train_three_blocks_side_by_side(dm, opt, reference, ref_opt, seed: int) -> None:
+    """One step of `_ThreeBlocks` split (2 micro-batches) and of its unsplit copy, on ``seed``'s batch."""
+    g = torch.Generator().manual_seed(seed)
+    x, y = (torch.randn(8, n, generator=g, dtype=torch.float64) for n in (6, 1))
+    _mse_step(dm, x, y)
+    opt.step()
+    opt.zero_grad()
+    (sum(F.mse_loss(reference(a), b) for a, b in zip(x.chunk(2), y.chunk(2), strict=True)) / 2).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
 def _state_dict_asked_by_one_rank(rank):
     """``if smpart.rank() == 0: torch.save({"model": model.state_dict(), "optimizer":
     optimizer.state_dict()}, ...)`` between steps and after the other ranks ended their script,
@@ -149,15 +161,7 @@ def _state_dict_asked_by_one_rank(rank):
     got = {}
 
     def train(seed):
-        g = torch.Generator().manual_seed(seed)
-        x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 1, generator=g,
-                                                                                dtype=torch.float64)
-        _mse_step(dm, x, y)
-        opts[-1].step()
-        opts[-1].zero_grad()
-        (sum(F.mse_loss(reference(a), b) for a, b in zip(x.chunk(2), y.chunk(2), strict=True)) / 2).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _train_three_blocks_side_by_side(dm, opts[-1], reference, ref_opt, seed)
 
     def compare(name):
         full, want = dm.state_dict(), reference.state_dict()
@@ -236,14 +240,7 @@ def _state_asked_before_the_step_end_is_heard(rank):
     if rank == 1:
         _hear_of_the_step_end_last(current_runtime().transport, step=1)
     for seed in range(2):  # the second step runs as a step program
-        g = torch.Generator().manual_seed(seed)
-        x, y = (torch.randn(8, n, generator=g, dtype=torch.float64) for n in (6, 1))
-        _mse_step(dm, x, y)
-        opt.step()
-        opt.zero_grad()
-        (sum(F.mse_loss(reference(a), b) for a, b in zip(x.chunk(2), y.chunk(2), strict=True)) / 2).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _train_three_blocks_side_by_side(dm, opt, reference, ref_opt, seed)
     full, want = dm.state_dict(), reference.state_dict()
     smpart.shutdown()
     return max((full[k] - v).abs().max().item() for k, v in want.items())

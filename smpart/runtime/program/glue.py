@@ -534,6 +534,9 @@ class MicrobatchRun:
                 self.make_available(self.me, t)
             if any(type(t) is Placeholder for t in leaves):
                 args, kwargs = _swap_placeholders((args, kwargs), self.real)
+            device = rank.device
+            if any(t.device != device for t in leaves):  # the body's own tensors (a batch on the CPU)
+                args, kwargs = _moved_to((args, kwargs), device)
         self.flush_sends()  # the ranks waiting for what this one sent need not wait for its work too
         self.structure.append(("compute",))
         try:
@@ -746,6 +749,13 @@ def _swap_placeholders(value: Any, swap: Callable[[torch.Tensor], Any]) -> Any:
         )
 
     return visit(value)
+
+
+def _moved_to(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor on another device moved to ``device``, differentiably: a module
+    of this stage gets its arguments where its weights are, as the reference runtime's stage
+    server gets them."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t if t.device == device else t.to(device), value)
 
 
 def _stand_in(p: Placeholder) -> torch.Tensor:

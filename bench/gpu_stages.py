@@ -4,10 +4,10 @@ GPT-2 small (124M parameters, float32 with TF32 matrix products), a batch of ``-
 of ``--seq`` tokens in 4 micro-batches: the unsplit model (the same 4 micro-batches, gradients
 accumulated) against smpart on threads with 2 and 4 stages, all on ``cuda:0``. Stages sharing one
 GPU cannot run faster than the unsplit model (their kernels share it): the ratio is the runtime's
-overhead with GPU kernels, for the step programs and for the reference runtime (programs
-off). Median step time over ``--steps`` after 6 warm-up steps, the GPU's
-kernel time in one profiled step (above the unsplit model's: the GPU did more work; equal, with a
-slower step: the host held it up), and the peak allocated memory. Needs a CUDA GPU.
+overhead with GPU kernels, for the step programs (every stage on one thread, and a thread per
+stage) and for the reference runtime (programs off). Median step time over ``--steps`` after 6
+warm-up steps, the GPU's kernel time in one profiled step (above the unsplit model's: the GPU did
+more work; equal, with a slower step: the host held it up), and the peak allocated memory. Needs a CUDA GPU.
 
     python bench/gpu_stages.py [--batch 8] [--seq 512] [--steps 10]
 """
@@ -73,10 +73,18 @@ def unsplit(example, batch, steps: int) -> tuple[float, float, float]:
     return _timed(step, steps)
 
 
-def split(example, batch, steps: int, stages: int, schedule: str,
-          programs: bool = True) -> tuple[float, float, float]:
+#: The runtimes compared: the step programs with every stage on one thread and with a thread per
+#: stage (`Config.stage_threads`), and the reference runtime (programs off).
+RUNTIMES = {
+    "program, one thread": dict(step_programs=True, stage_threads="one"),
+    "program, thread per stage": dict(step_programs=True, stage_threads="per-stage"),
+    "reference": dict(step_programs=False),
+}
+
+
+def split(example, batch, steps: int, stages: int, schedule: str, **init) -> tuple[float, float, float]:
     smpart.init(pipeline_parallel_degree=stages, microbatches=MICROBATCHES, pipeline=schedule,
-                devices=["cuda:0"] * stages, step_programs=programs)
+                devices=["cuda:0"] * stages, **init)
     model = smpart.DistributedModel(copy.deepcopy(example.model))
     opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
     args, _, target = batch
@@ -121,9 +129,8 @@ def main() -> None:
                   f"{base_mem:.2f}")
     for stages in (2, 4):
         for schedule in ("gpipe", "1f1b"):
-            for programs in (True, False):
-                seconds, mem, kernels = split(example, batch, a.steps, stages, schedule, programs)
-                runtime = "program" if programs else "reference"
+            for runtime, init in RUNTIMES.items():
+                seconds, mem, kernels = split(example, batch, a.steps, stages, schedule, **init)
                 table.add_row(f"smpart, {stages} stages, {schedule}, {runtime}", f"{seconds * 1e3:.1f}",
                               f"{seconds / base:.2f}", f"{kernels * 1e3:.1f}",
                               f"{kernels / base_kernels:.2f}", f"{mem:.2f}")

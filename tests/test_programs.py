@@ -597,7 +597,7 @@ def _no_program_thread_started() -> bool:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("stages", "schedule"), [(2, "1f1b"), (4, "1f1b"), (4, "gpipe")])
 def test_every_stage_on_one_thread_runs_its_list_like_the_unsplit_model(stages, schedule):
-    """``stage_threads="one"`` (what CUDA devices get): the same lists, in the same order on
+    """``stage_threads="one"``: the same lists, in the same order on
     each stage, the same results, and no stage thread started."""
     microbatches = 8
     dm, timelines = train_both(Chain(), 4, microbatches, pipeline_parallel_degree=stages, pipeline=schedule,
@@ -653,12 +653,13 @@ def test_stages_on_one_thread_that_wait_for_each_other_all_fail_naming_what_each
     assert "stage 1 for activation 1 of micro-batch 0 from stage 0" in failures[1]
 
 
-def test_one_thread_is_the_default_where_every_stage_is_on_a_cuda_device():
+def test_one_thread_is_the_default_only_for_cpu_stages_short_of_cores():
     from smpart.runtime.program.steps import uses_one_thread
 
     cuda, cpu = [torch.device("cuda", 0), torch.device("cuda", 1)], [torch.device("cpu")] * 2
-    assert uses_one_thread("auto", cuda) and not uses_one_thread("auto", cpu)
-    assert not uses_one_thread("auto", [torch.device("cuda", 0), torch.device("cpu")])
-    assert uses_one_thread("one", cpu) and not uses_one_thread("per-stage", cuda)
+    assert not uses_one_thread("auto", cuda, cores=1) and not uses_one_thread("auto", cuda, cores=16)
+    assert uses_one_thread("auto", cpu, cores=1) and not uses_one_thread("auto", cpu, cores=2)
+    assert not uses_one_thread("auto", [torch.device("cuda", 0), torch.device("cpu")], cores=1)
+    assert uses_one_thread("one", cuda) and not uses_one_thread("per-stage", cpu, cores=1)
     with pytest.raises(smpart.ConfigError, match="stage_threads"):
         smpart.Config(stage_threads="two")

@@ -94,8 +94,9 @@ class Config:
     #: changes. ``SMPART_PROGRAMS=0`` sets the default.
     step_programs: bool = field(default_factory=lambda: os.environ.get("SMPART_PROGRAMS", "1") != "0")
     #: On threads, where a step program runs its stages: "one" thread (the caller's), switching
-    #: where a stage waits for a transfer; "per-stage" threads; "auto": one thread when every
-    #: stage is on a CUDA device (`smpart.runtime.program.one_thread`). Only speed changes.
+    #: where a stage waits for a transfer; "per-stage" threads; "auto": one thread only when every
+    #: stage is on the CPU with fewer cores than stages (`smpart.runtime.program.steps.uses_one_thread`).
+    #: Only speed changes.
     #: ``SMPART_STAGE_THREADS`` sets the default.
     stage_threads: str = field(default_factory=lambda: os.environ.get("SMPART_STAGE_THREADS", "auto"))
 

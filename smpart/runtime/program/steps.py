@@ -206,10 +206,9 @@ def uses_one_thread(setting: str, devices: list[torch.device], cores: int | None
     "one", or "auto" with every stage on the CPU and fewer ``cores`` than stages.
 
     A thread per stage is faster wherever the stages' host work can run side by side: torch runs
-    an operation, a CUDA launch and the autograd engine's backward outside the GIL, so on a GPU one
-    stage's launches overlap another's Python (on an H200, GPT-2 small in 4 stages took 1.18-1.20
-    x the unsplit step with a thread per stage, 1.56-1.68 x on one thread). Only CPU stages short
-    of cores gain nothing from their threads but the GIL's hand-overs, which one thread saves."""
+    an operation's dispatch, a CUDA launch and the autograd engine's backward outside the GIL
+    (`one_thread` gives the figures). Only CPU stages short of cores gain nothing from their
+    threads but the GIL's hand-overs, which one thread saves."""
     if setting == "auto":
         cores = cores if cores is not None else _cores()
         return all(device.type == "cpu" for device in devices) and cores < len(devices)

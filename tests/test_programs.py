@@ -421,6 +421,74 @@ def test_the_switch_turns_programs_off():
         smpart.program_of(smpart.DistributedModel(Chain()))
 
 
+# ==================================================================== modules every rank computes
+class Scales(nn.Module):
+    """No parameters, one derived buffer (as a rotary embedding's frequencies): what it returns
+    depends on its argument's shape alone."""
+
+    def __init__(self, width: int = 8, counts_calls: bool = False) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, width, dtype=torch.float64), persistent=False)
+        self.counts_calls = counts_calls
+        if counts_calls:
+            self.register_buffer("calls", torch.zeros((), dtype=torch.float64), persistent=False)
+
+    def forward(self, x):
+        if self.counts_calls:
+            self.calls += 1  # state: copies on several ranks would count differently
+        return self.scale.expand(x.shape[0], -1) * (1.0 + self.calls if self.counts_calls else 1.0)
+
+
+class ScaledChain(nn.Module):
+    """Every layer adds what ``scales`` returns: with ``scales`` on stage 0 and a layer on stage 1,
+    the reference runtime sends its output across; a program computes it on each stage."""
+
+    def __init__(self, counts_calls: bool = False) -> None:
+        super().__init__()
+        self.scales = Scales(counts_calls=counts_calls)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        scale = self.scales(x)
+        for layer in self.layers:
+            x = torch.tanh(layer(x) + scale)
+        return self.head(x)
+
+
+SCALED_PINS = {"": 0, "scales": 0, "layers.0": 0, "layers.1": 1, "head": 1}
+
+
+@pytest.mark.timeout(120)
+def test_a_parameter_free_module_with_derived_buffers_is_computed_on_every_stage_not_sent(monkeypatch):
+    microbatches = 4
+    activation = 8 // microbatches * 8 * 8  # rows x width x float64
+    _, timelines = train_both(ScaledChain(), 4, microbatches, pipeline_parallel_degree=2, pin=SCALED_PINS)
+    assert runtimes(timelines) == ["reference", "program", "program", "program"]
+    assert timelines[-1].bytes_sent == {(0, 1): microbatches * activation, (1, 0): microbatches * activation}
+    smpart.shutdown()
+    # computed on stage 0 alone, what it returns crosses with the activation
+    monkeypatch.setattr("smpart.runtime.threads.recomputed_modules", lambda model, partition: set())
+    _, timelines = train_both(ScaledChain(), 2, microbatches, pipeline_parallel_degree=2, pin=SCALED_PINS)
+    assert timelines[-1].bytes_sent[(0, 1)] == 2 * microbatches * activation
+
+
+@pytest.mark.timeout(120)
+def test_a_module_computed_on_every_stage_that_changes_its_buffers_runs_on_the_reference_runtime():
+    """Its copies (one per rank under torchrun; one, called by every stage, on threads) would no
+    longer agree with the unsplit model's one: each such step runs on the reference runtime."""
+    model = ScaledChain(counts_calls=True)
+    reference = copy.deepcopy(model)
+    dm, timelines = train_both(model, 4, 2, pipeline_parallel_degree=2, pin=SCALED_PINS)
+    assert runtimes(timelines) == ["reference"] * 4
+    assert "'scales'" in timelines[1].reason and "'calls'" in timelines[1].reason, timelines[1].reason
+    for step in range(4):
+        x, _ = batch(step)
+        for xs in x.chunk(2):
+            reference.scales(xs)
+    assert dm.module.scales.calls.item() == reference.scales.calls.item() == 8
+
+
 # ==================================================================== faults
 class Boom(nn.Linear):
     """A linear layer that raises while ``fail`` is set."""

@@ -217,3 +217,65 @@ def test_a_program_that_diverges_on_one_replica_runs_again_on_the_reference_runt
         runtimes = [runtime for runtime, _ in seen]
         assert runtimes == ["reference", "program", "program", "reference", "program", "program"], seen
         assert "diverged" in seen[3][1], seen[3]
+
+
+def _llama():
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=8, tie_word_embeddings=False, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).double()
+
+
+LLAMA_PINS = {"": 0, "model": 0, "model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0,
+              "model.layers.1": 1, "model.norm": 1, "lm_head": 1}
+
+
+def _rotary_on_every_rank(rank):
+    """HF Llama, untied head, 2 stages: 3 steps against the unsplit model; the last step's bytes."""
+    model = _llama()
+    reference = copy.deepcopy(model)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60, pin=LLAMA_PINS)
+    dm = smpart.DistributedModel(model)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    @smpart.step
+    def step(model, ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss)
+        return loss
+
+    runtimes, worst = [], 0.0
+    for i in range(3):
+        ids = torch.randint(64, (4, 8), generator=torch.Generator().manual_seed(i))
+        out = step(dm, ids)
+        losses = []
+        for chunk in ids.chunk(2):
+            loss = reference(input_ids=chunk, labels=chunk).loss
+            (loss / 2).backward()
+            losses.append(loss.detach())
+        worst = max(worst, (out.stack() - torch.stack(losses)).abs().max().item())
+        runtimes.append(out.timeline.runtime)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    full = dm.state_dict()
+    worst = max([worst] + [(full[k] - v).abs().max().item() for k, v in reference.state_dict().items()])
+    return runtimes, worst, dict(out.timeline.bytes_sent), str(dm.module.model.rotary_emb.inv_freq.device)
+
+
+@pytest.mark.timeout(200)
+def test_a_rotary_embedding_is_computed_on_every_rank_and_only_the_hidden_state_crosses():
+    """torch's traffic for an LM with an untied head: per micro-batch the hidden state forward with
+    the labels (read on the first stage's rank), its gradient back; never the rotary cos and sin."""
+    pytest.importorskip("transformers")
+    hidden, labels = 2 * 8 * 16 * 8, 2 * 8 * 8  # micro-batch rows x sequence x width (float64); int64 ids
+    for runtimes, worst, sent, rotary_device in values(run_ranks(_rotary_on_every_rank, 2, timeout_s=190)):
+        assert runtimes == ["reference", "program", "program"], runtimes
+        assert worst <= TOL, worst
+        assert sent == {(0, 1): 2 * (hidden + labels), (1, 0): 2 * hidden}, sent
+        assert rotary_device == "cpu"  # kept on the rank that does not hold it, not released to meta

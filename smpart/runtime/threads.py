@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from smpart.config import Config
-from smpart.runtime.placement.place import choose_devices, place, unplace
+from smpart.runtime.placement.place import choose_devices, place, recomputed_modules, unplace
 from smpart.runtime.program import steps, templates
 from smpart.runtime.reference.stage import StageServer
 from smpart.runtime.reference.step_run import StepRun
@@ -64,7 +64,8 @@ class ThreadRuntime(Runtime):
         partition = partition_for(model, args, kwargs, self.config)
         place(model.module, model.model_id, partition, self.servers)
         model._partition = partition
-        steps.placed(model, partition)
+        one_device = len({server.device for server in self.servers}) == 1  # the stages share its buffers
+        steps.placed(model, partition, recomputed_modules(model.module, partition) if one_device else ())
         model._runtime = self
         self.models.add(model)
         model._placed()  # a checkpoint load that waited for the placement of a model built on meta

@@ -183,6 +183,47 @@ def module_stages(model: nn.Module, partition: Partition) -> dict[str, int]:
     return stages
 
 
+def recomputed_modules(model: nn.Module, partition: Partition) -> set[str]:
+    """The modules each rank computes for itself in a step program instead of receiving what they
+    return: the top-most with no parameters and only derived buffers (non-persistent, such as a
+    rotary embedding's inverse frequencies; none on the meta device), called from code that spans
+    stages (their parent's modules are on several). What such a module returns depends on its
+    arguments alone; sent, it would cross every cut once per micro-batch (Llama's cos and sin
+    tables), where torch's pipelines compute it on each stage. The reference runtime still runs
+    it on its own stage, and every rank keeps its buffers (`place_on_rank`)."""
+    stages = module_stages(model, partition)
+    spread: dict[str, set[int]] = {}
+    for name, stage in stages.items():
+        parts = name.split(".") if name else []
+        for i in range(len(parts) + 1):
+            spread.setdefault(".".join(parts[:i]), set()).add(stage)
+    found: set[str] = set()
+    for name, module in model.named_modules():
+        if not name or len(spread.get(name.rpartition(".")[0], ())) < 2:
+            continue
+        if next(module.parameters(), None) is not None:
+            continue
+        buffers = [(m, key, b) for m in module.modules() for key, b in m._buffers.items() if b is not None]
+        if buffers and all(key in m._non_persistent_buffers_set and not b.is_meta for m, key, b in buffers):
+            found.add(name)
+    return found
+
+
+def placed_buffers(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, int]]:
+    """Every buffer of ``module`` and below, as it is now: (its module, its name, it, its version)."""
+    return [(m, key, b, b._version)
+            for m in module.modules() for key, b in m._buffers.items() if b is not None]
+
+
+def changed_buffer(buffers: list[tuple[nn.Module, str, torch.Tensor, int]]) -> str | None:
+    """The name of the first of ``buffers`` (`placed_buffers`) replaced or written since, if any."""
+    for module, key, tensor, version in buffers:
+        now = module._buffers.get(key)
+        if now is not tensor or tensor._version != version:
+            return key
+    return None
+
+
 def place(model: nn.Module, model_id: int, partition: Partition, servers: list[StageServer]) -> None:
     """Move each module's own tensors to its stage's device (materialised and initialised there if
     they were built on the meta device, as on processes) and route its calls there (threads: every
@@ -208,12 +249,14 @@ def place(model: nn.Module, model_id: int, partition: Partition, servers: list[S
 
 
 def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server: StageServer,
-                  loading: bool = False, seed: int | None = None, loaded: Collection[str] = ()) -> int:
+                  loading: bool = False, seed: int | None = None, loaded: Collection[str] = (),
+                  recomputed: Collection[str] = ()) -> int:
     """Processes: route every module's calls to its stage; keep this rank's modules (materialised on
     its device and initialised if they were built on the meta device, from a generator seeded with
     ``seed`` if given; ``loading``: weights will be loaded into them; ``loaded``: the names of the
     tensors a load will write, whose modules are not initialised first) and release every other
-    stage's tensors to the meta device, so a rank holds only its own stage. Returns the parameter
+    stage's tensors to the meta device, so a rank holds only its own stage, but the buffers of the
+    ``recomputed`` modules (`recomputed_modules`), kept on this rank's device. Returns the parameter
     bytes kept here."""
     stages = module_stages(model, partition)
     mine = {name for name, stage in stages.items() if stage == server.stage}
@@ -231,9 +274,13 @@ def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server:
     fresh = [(name, module) for name, module in fresh if not _all_loaded(name, module, loaded)]
     with _seeded(seed, server.device):
         _initialise(model, fresh, loading)
+    kept_everywhere = tuple(recomputed)
     for name, module in model.named_modules():
         if name not in mine:
-            _release_own_tensors(module, seen)
+            if any(name == r or name.startswith(r + ".") for r in kept_everywhere):
+                _move_own_tensors(module, server.device, seen)
+            else:
+                _release_own_tensors(module, seen)
         install(module, model_id, name, stages[name])
     return kept
 

@@ -38,7 +38,13 @@ from smpart.distributed.launch import Setup, release_groups, setup
 from smpart.errors import PipelineError, SmpartError
 from smpart.runtime.model import DistributedModel, model_by_id
 from smpart.runtime.optimizer import optimizer_by_id, optimizers_over
-from smpart.runtime.placement.place import module_stages, place_on_rank, remember_replacement, unplace
+from smpart.runtime.placement.place import (
+    module_stages,
+    place_on_rank,
+    recomputed_modules,
+    remember_replacement,
+    unplace,
+)
 from smpart.runtime.processes import torch_clip
 from smpart.runtime.processes.data_parallel import CHECK, GradientReducer, ordinal, stage_parameters
 from smpart.runtime.processes.replicas import (
@@ -493,10 +499,12 @@ class ProcessRuntime(Runtime):
             partition = _as_split(partition, model.tensor_parallel_plan)
         seed = (None if model._init_seed is None else
                 initialisation_seed(model._init_seed, model.model_id, self.stage))
+        # A model placed before keeps no other stage's buffers: it recomputes nothing, on every rank.
+        recomputed = () if model._released else recomputed_modules(model.module, partition)
         kept = place_on_rank(model.module, model.model_id, partition, self.server,
                              loading=bool(model._after_placement), seed=seed,
-                             loaded=model._filled_at_placement)
-        program_steps.placed(model, partition)
+                             loaded=model._filled_at_placement, recomputed=recomputed)
+        program_steps.placed(model, partition, recomputed)
         # every rank released the other stages' tensors, or split layers into its shards
         model._released = self.num_stages > 1 or self.layout.tp > 1
         self.resident_bytes[model.model_id] = kept

@@ -242,6 +242,7 @@ class RankRun:
         self.device = context.device
         self.owners = context.owners
         self.whole = context.whole
+        self.recomputed = context.recomputed or {}
         self.templates = context.templates
         self.varies = context.varies
         self.meta_cache = context.meta_cache

@@ -50,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 
 from smpart.errors import SmpartError
 from smpart.runtime.ambient import capture
+from smpart.runtime.placement.place import changed_buffer
 from smpart.runtime.program.placeholder import METADATA, LazyNode, Placeholder, holders, lowest, meta_of
 from smpart.runtime.program.templates import UNPREDICTABLE, Diverged, OutputTemplate, call_key
 from smpart.runtime.reference import boundary
@@ -490,8 +491,15 @@ class MicrobatchRun:
     def glue_call(self, staged: Any, args: tuple, kwargs: dict) -> Any:
         """A module called from the glue: a split one runs its forward here as glue; a whole one
         runs on its rank, and returns placeholders on the others."""
-        owner = self.rank.whole.get((staged.model, staged.name))
+        key = (staged.model, staged.name)
+        owner = self.rank.whole.get(key)
         if owner is None:
+            buffers = self.rank.recomputed.get(key)
+            if buffers is not None and (changed := changed_buffer(buffers)) is not None:
+                raise Diverged(
+                    f"module {staged.name!r}, which every rank computes for itself, changed its buffer "
+                    f"{changed!r} since it was placed: the ranks' copies may differ"
+                )
             return staged.run_here(self.frame, args, kwargs)
         with _no_glue_mode():  # what follows is smpart's own work, or the module's on this rank
             if owner != self.me:

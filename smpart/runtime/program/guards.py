@@ -22,6 +22,7 @@ keys diverged four times: its steps run on the reference runtime, and the timeli
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from smpart.runtime.model import DistributedModel
-from smpart.runtime.placement.place import module_stages, ranks_of
+from smpart.runtime.placement.place import module_stages, placed_buffers, ranks_of
 from smpart.runtime.program.templates import UNPREDICTABLE, signature
 
 #: A key that diverged this many times runs on the reference runtime from then on.
@@ -60,11 +61,17 @@ class Decision:
 class ModelPrograms:
     """A placed model's programs under one ``init``: templates, keys, programs, divergences."""
 
-    def __init__(self, model: Any, partition: Any, stage_of_rank: Any = None) -> None:
+    def __init__(self, model: Any, partition: Any, stage_of_rank: Any = None,
+                 recomputed: Collection[str] = ()) -> None:
         self.model_id = model.model_id
         stages = module_stages(model.module, partition)
         self.size = ranks_of(partition)
-        self.whole = whole_modules(model.model_id, stages)
+        #: (model id, name) -> the buffers, as placed, of each module every rank computes for itself
+        #: (`placement.place.recomputed_modules`): its calls run as glue, on every rank.
+        self.recomputed = {(model.model_id, name): placed_buffers(model.module.get_submodule(name))
+                           for name in recomputed}
+        self.whole = {key: stage for key, stage in whole_modules(model.model_id, stages).items()
+                      if not _inside(key[1], recomputed)}
         #: The model's modules, whose train/eval flags are part of every step's key; its parameters
         #: and buffers, for `Snapshot`.
         self.modules = list(model.module.modules())
@@ -75,6 +82,9 @@ class ModelPrograms:
         #: Per rank: the placeholders of the last step, by place in a micro-batch's glue (`glue`).
         self.kept_placeholders: dict[int, dict] = {}
         self.owners = tensor_owners(model.module, stages)
+        for buffers in self.recomputed.values():  # held by every rank
+            for *_, tensor, _version in buffers:
+                self.owners.pop(id(tensor), None)
         self.templates: dict[tuple, Any] = {}
         #: Modules whose calls' shapes differed between the micro-batches of a step (routing by data).
         self.varies: set[tuple[int, str]] = set()
@@ -170,6 +180,10 @@ def whole_modules(model_id: int, stages: dict[str, int]) -> dict[tuple[int, str]
         for i in range(len(parts)):
             spread.setdefault(".".join(parts[:i]), set()).add(stage)
     return {(model_id, name): next(iter(found)) for name, found in spread.items() if len(found) == 1}
+
+
+def _inside(name: str, modules: Collection[str]) -> bool:
+    return any(name == m or name.startswith(m + ".") for m in modules)
 
 
 def tensor_owners(model: nn.Module, stages: dict[str, int]) -> dict[int, int]:

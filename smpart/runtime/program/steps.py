@@ -19,7 +19,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,22 +53,24 @@ class RankContext:
     varies: set = frozenset()  # type: ignore[assignment]
     meta_cache: dict = None  # type: ignore[assignment]
     kept_placeholders: dict = None  # type: ignore[assignment]
+    recomputed: dict = None  # type: ignore[assignment]
 
     @classmethod
     def of(cls, programs: ModelPrograms, me: int, stage: int, device: torch.device,
            process_rank: int | None = None) -> RankContext:
         return cls(me, programs.size, stage, device, programs.owners, programs.whole, programs.templates,
                    process_rank, programs.varies, programs.meta_cache,
-                   programs.kept_placeholders.setdefault(me, {}))
+                   programs.kept_placeholders.setdefault(me, {}), programs.recomputed)
 
 
 def programs_of(model: Any) -> ModelPrograms | None:
     return getattr(model, "_programs", None)
 
 
-def placed(model: Any, partition: Any) -> ModelPrograms:
-    """A model was placed: its program state starts empty, its whole modules are known."""
-    programs = ModelPrograms(model, partition)
+def placed(model: Any, partition: Any, recomputed: Collection[str] = ()) -> ModelPrograms:
+    """A model was placed: its program state starts empty, its whole modules are known, and the
+    ``recomputed`` ones (`placement.place.recomputed_modules`)."""
+    programs = ModelPrograms(model, partition, recomputed=recomputed)
     model._programs = programs
     templates.note_placed(programs.whole)
     return programs

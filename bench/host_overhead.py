@@ -8,9 +8,8 @@ thing without a GPU: GPT-2 small's module tree (12 blocks, tied embeddings) at a
 the matrix products cost next to nothing and the step is the host's own work, split as smpart
 splits GPT-2 small at full size (the partition pinned, as in `bench/backward_work.py`), on
 threads. Printed: the unsplit model's step on the same 4 micro-batches one after the other, and
-smpart's: its step programs with every stage on one thread (``Config.stage_threads="one"``, the
-default for CPU stages short of cores) and with a thread per stage (the default elsewhere), and
-the reference runtime with programs off; wall and CPU time
+smpart's: its step programs with every stage on one thread (``Config.stage_threads="one"``) and
+with a thread per stage (the default), and the reference runtime with programs off; wall and CPU time
 (every thread of the process) per step, what smpart adds per step and per micro-batch; medians
 over ``--steps`` after warm-up, the configurations alternating over ``--rounds``, each one's
 ratios to an unsplit step measured right before it (this box's speed drifts from minute to minute).

@@ -21,7 +21,7 @@ PIPELINE_ALIASES = {"simple": "gpipe", "interleaved": "1f1b"}
 PLACEMENT_STRATEGIES = ("cluster", "spread")
 BACKENDS = ("auto", "gloo", "nccl")
 TRACE_DEVICES = ("meta", "real")
-STAGE_THREADS = ("auto", "one", "per-stage")
+STAGE_THREADS = ("per-stage", "one")
 
 
 @dataclass
@@ -93,12 +93,12 @@ class Config:
     #: each kind, and any step its program cannot run, runs on the reference runtime. Only speed
     #: changes. ``SMPART_PROGRAMS=0`` sets the default.
     step_programs: bool = field(default_factory=lambda: os.environ.get("SMPART_PROGRAMS", "1") != "0")
-    #: On threads, where a step program runs its stages: "one" thread (the caller's), switching
-    #: where a stage waits for a transfer; "per-stage" threads; "auto": one thread only when every
-    #: stage is on the CPU with fewer cores than stages (`smpart.runtime.program.steps.uses_one_thread`).
-    #: Only speed changes.
+    #: On threads, where a step program runs its stages: "per-stage" threads (their work outside
+    #: the GIL, CUDA launches, the backward, CPU compute, runs side by side), or "one" thread, the
+    #: caller's, switching where a stage waits for a transfer (less CPU where the stages' host work
+    #: is all Python: `smpart.runtime.program.one_thread`). Only speed changes.
     #: ``SMPART_STAGE_THREADS`` sets the default.
-    stage_threads: str = field(default_factory=lambda: os.environ.get("SMPART_STAGE_THREADS", "auto"))
+    stage_threads: str = field(default_factory=lambda: os.environ.get("SMPART_STAGE_THREADS", "per-stage"))
 
     def __post_init__(self) -> None:
         self.validate()

@@ -15,7 +15,6 @@ in the same order, and side by side a change to one is seen to need the other.
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 import time
@@ -203,31 +202,9 @@ def shapes_of(reports: list[RankReport]) -> tuple[list[RankShape], list[list[tup
     return shapes, events
 
 
-def uses_one_thread(setting: str, devices: list[torch.device], cores: int | None = None) -> bool:
-    """Whether a program step on threads runs every stage on one thread (`one_thread`): ``setting``
-    "one", or "auto" with every stage on the CPU and fewer ``cores`` than stages.
-
-    A thread per stage is faster wherever the stages' host work can run side by side: torch runs
-    an operation's dispatch, a CUDA launch and the autograd engine's backward outside the GIL
-    (`one_thread` gives the figures). Only CPU stages short of cores gain nothing from their
-    threads but the GIL's hand-overs, which one thread saves."""
-    if setting == "auto":
-        cores = cores if cores is not None else _cores()
-        return all(device.type == "cpu" for device in devices) and cores < len(devices)
-    return setting == "one"
-
-
-def _cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 class ThreadProgramStep:
     """A program step on threads: every stage's `RankRun` at once, each on a thread of its own
-    (stage 0 on this one) or all on this thread (`one_thread`, `uses_one_thread`)."""
+    (stage 0 on this one) or all on this thread (`one_thread`, ``Config.stage_threads``)."""
 
     def __init__(
         self,
@@ -272,7 +249,7 @@ class ThreadProgramStep:
             )
         start = time.time()
         done: queue.SimpleQueue = queue.SimpleQueue()
-        if uses_one_thread(config.stage_threads, self.runtime.devices[: self.size]):
+        if config.stage_threads == "one":
             OneThread(wire).run([lambda run=run: _run_reporting(run, wire, done) for run in runs])
         else:
             pool = program_threads(self.runtime, self.size)

@@ -153,14 +153,19 @@ def test_wire_round_trip_without_processes(seq: int, frame_bytes: int, monkeypat
     payload = _payload(1, seq)
     payload["grad"] = torch.ones(2, requires_grad=True) * 2
     payload["wide"] = torch.arange(3000, dtype=torch.float32).reshape(3, 1000)[:, ::2]  # not contiguous
+    complex_ = torch.randn(3, dtype=torch.complex64, generator=torch.Generator().manual_seed(seq))
+    payload["conj"], payload["neg"] = complex_.conj(), complex_.conj().imag  # lazy conjugate, negative bits
+    payload["fp8"] = torch.linspace(-2, 2, seq % 4).to(torch.float8_e4m3fn)  # numpy has no such dtype
     for budget in (0, wire.INLINE_BUDGET):  # 0: only tensors of at most SMALL_BYTES inline
         packet, packed = _through_the_wire(Packet(1, seq, payload), budget)
-        expected = {**_payload(1, seq), "grad": torch.full((2,), 2.0), "wide": payload["wide"].contiguous()}
+        expected = {**_payload(1, seq), "grad": torch.full((2,), 2.0), "wide": payload["wide"].contiguous(),
+                    "conj": complex_.conj().resolve_conj(), "neg": complex_.conj().imag.resolve_neg(),
+                    "fp8": payload["fp8"]}
         assert _same(expected, packet.payload)
         assert packet.payload["twice"][0] is packet.payload["twice"][1]
         # "wide" on its own with no budget; the payload's "big" (seq 0) past any budget
         assert len(packed.tensors) == (budget == 0) + (seq == 0)
-        assert packed.tensor_bytes == _payload_bytes(payload) + 8 + 6000
+        assert packed.tensor_bytes == _payload_bytes(payload) + 8 + 6000 + 24 + 12 + seq % 4
         whole = packed.frame.numel() + (0 if packed.tail is None else packed.tail.numel())
         assert wire.frame_lengths(packed.frame)[1] == whole  # the frame announces what it sends
         assert (packed.tail is not None) == (whole > frame_bytes)

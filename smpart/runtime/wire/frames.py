@@ -163,7 +163,7 @@ def pack(message: Any, inline_budget: int = INLINE_BUDGET) -> Packed:
     raw[_LENGTHS.size : start] = numpy.frombuffer(header, dtype=numpy.uint8)
     for at, size, tensor in inline:
         if size:
-            raw[start + at : start + at + size] = to_wire(tensor).numpy()
+            raw[start + at : start + at + size] = host_bytes(tensor)
     whole = torch.from_numpy(raw)
     if raw.size <= FRAME_BYTES:
         return Packed(whole, None, separate, total)
@@ -222,9 +222,8 @@ def open_frame(frame: torch.Tensor, tail: torch.Tensor | None) -> Incoming:
             incoming.order.append(index)
         else:
             size = nbytes(spec)
-            # its own storage (the frame's buffer takes the next message); numpy's empty is not viewable
-            data = torch.from_numpy(raw[start + offset : start + offset + size].copy()) if size else None
-            incoming.inline[index] = from_wire(empty_for(spec) if data is None else data, spec)
+            # its own storage (the frame's buffer takes the next message)
+            incoming.inline[index] = from_host_bytes(raw[start + offset : start + offset + size], spec)
     return incoming
 
 
@@ -237,6 +236,35 @@ def rebuild(incoming: Incoming, received: list[torch.Tensor]) -> Any:
         return pickle.loads(incoming.body)
     finally:
         _rebuilding.tensors = None
+
+
+#: The dtypes numpy holds as they are: their bytes are read and viewed through numpy, a few times
+#: cheaper per call than torch's views for the small tensors most messages carry (``bfloat16``
+#: and the float8 types take torch's way).
+_NUMPY_DTYPE = {
+    torch.float64: numpy.float64, torch.float32: numpy.float32, torch.float16: numpy.float16,
+    torch.int64: numpy.int64, torch.int32: numpy.int32, torch.int16: numpy.int16, torch.int8: numpy.int8,
+    torch.uint8: numpy.uint8, torch.bool: numpy.bool_, torch.complex128: numpy.complex128,
+    torch.complex64: numpy.complex64,
+}
+
+
+def host_bytes(tensor: torch.Tensor) -> numpy.ndarray:
+    """A CPU tensor's data as flat contiguous ``uint8`` (no copy where it is contiguous)."""
+    if tensor.dtype in _NUMPY_DTYPE and not tensor.is_conj() and not tensor.is_neg():
+        return numpy.ascontiguousarray(tensor.detach().numpy()).reshape(-1).view(numpy.uint8)
+    return to_wire(tensor).numpy()
+
+
+def from_host_bytes(data: numpy.ndarray, spec: TensorSpec) -> torch.Tensor:
+    """A tensor of ``spec`` holding a copy of the bytes ``data``."""
+    shape, dtype = spec
+    kind = _NUMPY_DTYPE.get(dtype)
+    if kind is not None:
+        return torch.from_numpy(data.copy().view(kind).reshape(shape))
+    if not data.size:  # numpy's empty array cannot be viewed by torch
+        return from_wire(empty_for(spec), spec)
+    return from_wire(torch.from_numpy(data.copy()), spec)
 
 
 def nbytes(spec: TensorSpec) -> int:

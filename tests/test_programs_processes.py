@@ -265,17 +265,56 @@ def _rotary_on_every_rank(rank):
         ref_opt.zero_grad()
     full = dm.state_dict()
     worst = max([worst] + [(full[k] - v).abs().max().item() for k, v in reference.state_dict().items()])
-    return runtimes, worst, dict(out.timeline.bytes_sent), str(dm.module.model.rotary_emb.inv_freq.device)
+    llama = runtimes, worst, dict(out.timeline.bytes_sent), str(dm.module.model.rotary_emb.inv_freq.device)
+    smpart.shutdown()
+    return llama, _counting_scales()
+
+
+def _counting_scales():
+    """A module every rank would compute for itself that counts its calls in a buffer: only the
+    first stage's rank sees its copy change, and every rank runs each step on the reference runtime."""
+    from tests.test_programs import SCALED_PINS, ScaledChain, batch
+
+    model = ScaledChain(counts_calls=True).double()
+    reference = copy.deepcopy(model)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60, pin=SCALED_PINS)
+    dm = smpart.DistributedModel(model)
+    seen, worst = [], 0.0
+    for step in range(3):
+        x, y = batch(step)
+        out = _classify(dm, x, y)
+        losses = []
+        for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
+            loss = torch.nn.functional.cross_entropy(reference(xs), ys)
+            (loss / 2).backward()
+            losses.append(loss.detach())
+        worst = max(worst, (out.stack() - torch.stack(losses)).abs().max().item())
+        seen.append((out.timeline.runtime, out.timeline.reason))
+    calls = dm.module.scales.calls.item() if smpart.pp_rank() == 0 else None
+    return seen, worst, calls, reference.scales.calls.item()
+
+
+@smpart.step
+def _classify(model, x, y):
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    model.backward(loss)
+    return loss
 
 
 @pytest.mark.timeout(200)
 def test_a_rotary_embedding_is_computed_on_every_rank_and_only_the_hidden_state_crosses():
     """torch's traffic for an LM with an untied head: per micro-batch the hidden state forward with
-    the labels (read on the first stage's rank), its gradient back; never the rotary cos and sin."""
+    the labels (read on the first stage's rank), its gradient back; never the rotary cos and sin.
+    And the guard: such a module whose buffers change sends every step to the reference runtime."""
     pytest.importorskip("transformers")
     hidden, labels = 2 * 8 * 16 * 8, 2 * 8 * 8  # micro-batch rows x sequence x width (float64); int64 ids
-    for runtimes, worst, sent, rotary_device in values(run_ranks(_rotary_on_every_rank, 2, timeout_s=190)):
+    for llama, counting in values(run_ranks(_rotary_on_every_rank, 2, timeout_s=190)):
+        runtimes, worst, sent, rotary_device = llama
         assert runtimes == ["reference", "program", "program"], runtimes
         assert worst <= TOL, worst
         assert sent == {(0, 1): 2 * (hidden + labels), (1, 0): 2 * hidden}, sent
         assert rotary_device == "cpu"  # kept on the rank that does not hold it, not released to meta
+        seen, worst, calls, expected_calls = counting
+        assert [runtime for runtime, _ in seen] == ["reference"] * 3, seen
+        assert "'calls'" in seen[1][1], seen
+        assert worst <= TOL and calls in (None, expected_calls), (worst, calls, expected_calls)

@@ -20,7 +20,18 @@ TOL = 1e-6
 
 def _train(rank, pp, tp, name, steps=4):
     """pp x tp x dp (dp from the world size), SGD, against the unsplit model on the global batch;
-    which runtime ran each step, and the worst difference of the final state."""
+    which runtime ran each step, the worst difference of the final state, the last step's messages,
+    and how many small exchanges of the gradient averaging each step made on this rank."""
+    from smpart.runtime.processes.data_parallel import GradientReducer
+
+    exchanges = []
+    control_max = GradientReducer._control_max
+
+    def counted(self, flags, phase):
+        exchanges[-1] += 1
+        return control_max(self, flags, phase)
+
+    GradientReducer._control_max = counted
     dp = int(os.environ["WORLD_SIZE"]) // (pp * tp)
     torch.manual_seed(0)
     example = ZOO[name](dtype=torch.float64)
@@ -31,6 +42,7 @@ def _train(rank, pp, tp, name, steps=4):
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
     runtimes, losses = [], []
     for step in range(steps):
+        exchanges.append(0)
         args, kwargs, target = example.batch(4 * dp, seed=step)
         mine = slice(smpart.dp_rank() * 4, (smpart.dp_rank() + 1) * 4)
         out = train_step(model, example, [a[mine] for a in args], {k: v[mine] for k, v in kwargs.items()},
@@ -46,16 +58,19 @@ def _train(rank, pp, tp, name, steps=4):
     full = model.state_dict()
     worst = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
     messages = dict(out.timeline.messages)
-    return runtimes, max(losses), worst, messages
+    return runtimes, max(losses), worst, messages, exchanges
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("pp", "tp", "world"), [(2, 1, 2), (2, 1, 4), (1, 2, 2), (2, 2, 4)],
                          ids=["pp2", "pp2xdp2", "tp2", "pp2xtp2"])
 def test_programs_run_on_processes_with_data_and_tensor_parallelism(pp, tp, world):
-    for runtimes, loss, worst, messages in values(run_ranks(_train, world, pp, tp, "gpt2", timeout_s=280)):
+    for runtimes, loss, worst, messages, exchanges in values(run_ranks(_train, world, pp, tp, "gpt2",
+                                                                         timeout_s=280)):
         assert runtimes == ["reference", "program", "program", "program"], runtimes
         assert loss <= TOL and worst <= TOL, (loss, worst)
+        if world // (pp * tp) > 1:  # a program step's replicas agree in one exchange (DDP's: none)
+            assert exchanges == [3, 1, 1, 1], exchanges
         if pp == 2:  # tied embeddings: each micro-batch's activation goes there and back, so do
             # their gradients, one message each
             assert messages == {(0, 1): 4, (1, 0): 4}, messages

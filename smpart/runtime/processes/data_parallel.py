@@ -137,6 +137,8 @@ class GradientReducer:
         self._flushing: threading.Thread | None = None  # `flush_soon`'s thread, joined by `finish`
         self._mismatch: SmpartError | None = None  # see `_same_parameters_everywhere`
         self._unpairable = False
+        #: Every replica's reducer was found to hold as many parameters as this one (in a flush).
+        self._sizes_agreed = False
         self._failing_told: int | None = None
         self._replica = replica  # this rank's data-parallel index, named when its step fails
         self._handles = [h for p in params for h in (p.register_hook(self._make_pre_hook(p)),
@@ -184,7 +186,9 @@ class GradientReducer:
             self._armed = False
             self.started_early = self._next
             self._arrive(FLUSH)
-            if not self._same_parameters_everywhere():
+            # A step program runs only where every replica placed the model: what a flush found
+            # of these parameters holds (every replica's reducer agreed in the same flush).
+            if not (finishing and self._sizes_agreed) and not self._same_parameters_everywhere():
                 return  # a replica failed before it placed the model (`finish` tells)
             started = [int(b.started) for b in self.buckets]
             has_grad = [int(p.grad is not None) for p in self.params]
@@ -229,6 +233,7 @@ class GradientReducer:
         self._control_max(shape, FLUSH)
         started_anywhere, most_params, most_buckets, fewest_params, fewest_buckets = shape.tolist()
         if (most_params, most_buckets) == (-fewest_params, -fewest_buckets):
+            self._sizes_agreed = True
             return True
         what = (f"the data-parallel replicas of a stage hold different parameters ({-fewest_params} to "
                 f"{most_params} tensors)")

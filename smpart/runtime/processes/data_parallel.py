@@ -40,7 +40,9 @@ anywhere: each replica keeps its own unaveraged gradients, and every replica's s
 others' naming the replica that failed), so no replica steps its optimizer on gradients the
 others do not have. A replica whose step failed before its first model call holds none of the
 stage's parameters yet, so its flags would not match the others' in size: a fixed-size
-all-reduce of the sizes goes first, and replicas that differ pair nothing more than it.
+all-reduce of the sizes goes first, and replicas that differ pair nothing more than it (a step
+program's flush skips it once one found the sizes equal: a program runs only where every replica
+placed the model).
 
 **Replicas with batch shares** (`smpart.runtime.processes.shares`) weigh their gradients by samples: each
 replica multiplies what it all-reduces (the buckets and the late correction) by ``weight / dp``,

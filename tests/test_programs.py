@@ -669,8 +669,8 @@ def _no_program_thread_started() -> bool:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("stages", "schedule"), [(2, "1f1b"), (4, "1f1b"), (4, "gpipe")])
 def test_every_stage_on_one_thread_runs_its_list_like_the_unsplit_model(stages, schedule):
-    """``stage_threads="one"``: the same lists, in the same order on
-    each stage, the same results, and no stage thread started."""
+    """``stage_threads="one"``: the same lists, in the same order on each stage, the same results,
+    and no stage thread started."""
     microbatches = 8
     dm, timelines = train_both(Chain(), 4, microbatches, pipeline_parallel_degree=stages, pipeline=schedule,
                                pin=chain_pins(stages), stage_threads="one")

@@ -474,6 +474,24 @@ def test_a_parameter_free_module_with_derived_buffers_is_computed_on_every_stage
 
 
 @pytest.mark.timeout(120)
+def test_a_device_named_another_way_is_the_same_device(monkeypatch):
+    """``"cpu:0"`` names the device whose tensors say ``cpu``: stages given it share one device (the
+    scales are computed on each), and no call's arguments are moved to it."""
+    from smpart.distributed.launch import named_device
+    from smpart.runtime.program import glue
+
+    assert named_device("cpu:0") == named_device("cpu") == torch.device("cpu")
+    moved = []
+    monkeypatch.setattr(glue, "_moved_to", lambda value, device: moved.append(device) or value)
+    microbatches = 4
+    activation = 8 // microbatches * 8 * 8
+    _, timelines = train_both(ScaledChain(), 3, microbatches, pipeline_parallel_degree=2, pin=SCALED_PINS,
+                              devices=["cpu:0", "cpu:0"])
+    assert timelines[-1].bytes_sent == {(0, 1): microbatches * activation, (1, 0): microbatches * activation}
+    assert moved == []
+
+
+@pytest.mark.timeout(120)
 def test_a_module_computed_on_every_stage_that_changes_its_buffers_runs_on_the_reference_runtime():
     """Its copies (one per rank under torchrun; one, called by every stage, on threads) would no
     longer agree with the unsplit model's one: each such step runs on the reference runtime."""

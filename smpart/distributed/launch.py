@@ -254,13 +254,25 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def named_device(spec: str | torch.device) -> torch.device:
+    """The device ``spec`` names, as a tensor on it names its own: ``"cpu:0"`` is ``cpu``, and
+    ``"cuda"`` the current CUDA device. A stage's device is compared with its tensors' at every
+    call, and an unequal name for the same device would move (in effect, walk) every argument."""
+    device = torch.device(spec)
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def rank_device(config: Config, nccl: bool, local_rank: int, stage: int) -> torch.device:
     """This rank's device: its own GPU under NCCL, else its stage's entry of ``config.devices``,
     else the CPU."""
     if nccl:
         return torch.device("cuda", local_rank)
     if config.devices:
-        device = torch.device(config.devices[min(stage, len(config.devices) - 1)])
+        device = named_device(config.devices[min(stage, len(config.devices) - 1)])
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"devices: stage {stage} is to run on {device}, but this process sees no "
                               "CUDA GPU; name 'cpu' for it")

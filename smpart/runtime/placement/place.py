@@ -23,7 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from smpart.config import Config
 from smpart.devices import DeviceType, as_device_type
-from smpart.distributed.launch import Layout
+from smpart.distributed.launch import Layout, named_device
 from smpart.errors import ConfigError, PartitionError
 from smpart.partitioning.api import partition
 from smpart.partitioning.result import Partition
@@ -40,7 +40,7 @@ def choose_devices(config: Config) -> list[torch.device]:
     stages = config.pipeline_parallel_degree
     if config.devices:
         try:
-            return [torch.device(d) for d in config.devices[:stages]]
+            return [named_device(d) for d in config.devices[:stages]]
         except RuntimeError as err:
             raise ConfigError(f"devices: {err}") from None
     if torch.cuda.is_available() and torch.cuda.device_count() >= stages:

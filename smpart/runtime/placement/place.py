@@ -183,6 +183,21 @@ def module_stages(model: nn.Module, partition: Partition) -> dict[str, int]:
     return stages
 
 
+def subtree_stages(stages: dict[str, int]) -> dict[str, set[int]]:
+    """Module name -> the stages of the modules in its subtree (`module_stages`' names)."""
+    spread: dict[str, set[int]] = {}
+    for name, stage in stages.items():
+        parts = name.split(".") if name else []
+        for i in range(len(parts) + 1):
+            spread.setdefault(".".join(parts[:i]), set()).add(stage)
+    return spread
+
+
+def within(name: str, modules: Collection[str]) -> bool:
+    """Whether module ``name`` is one of ``modules`` or inside one."""
+    return any(name == m or name.startswith(m + ".") for m in modules)
+
+
 def recomputed_modules(model: nn.Module, partition: Partition) -> set[str]:
     """The modules each rank computes for itself in a step program instead of receiving what they
     return: the top-most with no parameters and only derived buffers (non-persistent, such as a
@@ -191,12 +206,7 @@ def recomputed_modules(model: nn.Module, partition: Partition) -> set[str]:
     arguments alone; sent, it would cross every cut once per micro-batch (Llama's cos and sin
     tables), where torch's pipelines compute it on each stage. The reference runtime still runs
     it on its own stage, and every rank keeps its buffers (`place_on_rank`)."""
-    stages = module_stages(model, partition)
-    spread: dict[str, set[int]] = {}
-    for name, stage in stages.items():
-        parts = name.split(".") if name else []
-        for i in range(len(parts) + 1):
-            spread.setdefault(".".join(parts[:i]), set()).add(stage)
+    spread = subtree_stages(module_stages(model, partition))
     found: set[str] = set()
     for name, module in model.named_modules():
         if not name or len(spread.get(name.rpartition(".")[0], ())) < 2:
@@ -274,10 +284,9 @@ def place_on_rank(model: nn.Module, model_id: int, partition: Partition, server:
     fresh = [(name, module) for name, module in fresh if not _all_loaded(name, module, loaded)]
     with _seeded(seed, server.device):
         _initialise(model, fresh, loading)
-    kept_everywhere = tuple(recomputed)
     for name, module in model.named_modules():
         if name not in mine:
-            if any(name == r or name.startswith(r + ".") for r in kept_everywhere):
+            if within(name, recomputed):
                 _move_own_tensors(module, server.device, seen)
             else:
                 _release_own_tensors(module, seen)

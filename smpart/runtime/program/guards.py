@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from smpart.runtime.model import DistributedModel
-from smpart.runtime.placement.place import module_stages, placed_buffers, ranks_of
+from smpart.runtime.placement.place import module_stages, placed_buffers, ranks_of, subtree_stages, within
 from smpart.runtime.program.templates import UNPREDICTABLE, signature
 
 #: A key that diverged this many times runs on the reference runtime from then on.
@@ -71,7 +71,7 @@ class ModelPrograms:
         self.recomputed = {(model.model_id, name): placed_buffers(model.module.get_submodule(name))
                            for name in recomputed}
         self.whole = {key: stage for key, stage in whole_modules(model.model_id, stages).items()
-                      if not _inside(key[1], recomputed)}
+                      if not within(key[1], recomputed)}
         #: The model's modules, whose train/eval flags are part of every step's key; its parameters
         #: and buffers, for `Snapshot`.
         self.modules = list(model.module.modules())
@@ -173,17 +173,8 @@ class ModelPrograms:
 
 def whole_modules(model_id: int, stages: dict[str, int]) -> dict[tuple[int, str], int]:
     """(model id, name) -> stage, for every module whose whole subtree is on one stage."""
-    spread: dict[str, set[int]] = {}
-    for name, stage in stages.items():
-        spread.setdefault(name, set()).add(stage)
-        parts = name.split(".") if name else []
-        for i in range(len(parts)):
-            spread.setdefault(".".join(parts[:i]), set()).add(stage)
-    return {(model_id, name): next(iter(found)) for name, found in spread.items() if len(found) == 1}
-
-
-def _inside(name: str, modules: Collection[str]) -> bool:
-    return any(name == m or name.startswith(m + ".") for m in modules)
+    return {(model_id, name): next(iter(found)) for name, found in subtree_stages(stages).items()
+            if len(found) == 1}
 
 
 def tensor_owners(model: nn.Module, stages: dict[str, int]) -> dict[int, int]:

@@ -18,6 +18,12 @@ from tests.test_runtime import reference_step, train_step
 TOL = 1e-6
 
 
+def _state_difference(model, reference) -> float:
+    """The largest difference between the split model's full state and the unsplit one's."""
+    full = model.state_dict()
+    return max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+
+
 def _train(rank, pp, tp, name, steps=4):
     """pp x tp x dp (dp from the world size), SGD, against the unsplit model on the global batch;
     which runtime ran each step, the worst difference of the final state, the last step's messages,
@@ -55,8 +61,7 @@ def _train(rank, pp, tp, name, steps=4):
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
-    full = model.state_dict()
-    worst = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    worst = _state_difference(model, reference)
     messages = dict(out.timeline.messages)
     return runtimes, max(losses), worst, messages, exchanges
 
@@ -220,9 +225,7 @@ def _one_replica_diverges(rank):
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    full = dm.state_dict()
-    worst = max([worst] + [(full[k] - v).abs().max().item() for k, v in reference.state_dict().items()])
-    return seen, worst
+    return seen, max(worst, _state_difference(dm, reference))
 
 
 @pytest.mark.timeout(240)
@@ -278,8 +281,7 @@ def _rotary_on_every_rank(rank):
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    full = dm.state_dict()
-    worst = max([worst] + [(full[k] - v).abs().max().item() for k, v in reference.state_dict().items()])
+    worst = max(worst, _state_difference(dm, reference))
     llama = runtimes, worst, dict(out.timeline.bytes_sent), str(dm.module.model.rotary_emb.inv_freq.device)
     smpart.shutdown()
     return llama, _counting_scales()
@@ -288,7 +290,7 @@ def _rotary_on_every_rank(rank):
 def _counting_scales():
     """A module every rank would compute for itself that counts its calls in a buffer: only the
     first stage's rank sees its copy change, and every rank runs each step on the reference runtime."""
-    from tests.test_programs import SCALED_PINS, ScaledChain, batch
+    from tests.test_programs import SCALED_PINS, ScaledChain, batch, classify, reference_step
 
     model = ScaledChain(counts_calls=True).double()
     reference = copy.deepcopy(model)
@@ -297,23 +299,11 @@ def _counting_scales():
     seen, worst = [], 0.0
     for step in range(3):
         x, y = batch(step)
-        out = _classify(dm, x, y)
-        losses = []
-        for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
-            loss = torch.nn.functional.cross_entropy(reference(xs), ys)
-            (loss / 2).backward()
-            losses.append(loss.detach())
-        worst = max(worst, (out.stack() - torch.stack(losses)).abs().max().item())
+        out = classify(dm, x, y)
+        worst = max(worst, (out.stack() - reference_step(reference, x, y, 2)).abs().max().item())
         seen.append((out.timeline.runtime, out.timeline.reason))
     calls = dm.module.scales.calls.item() if smpart.pp_rank() == 0 else None
     return seen, worst, calls, reference.scales.calls.item()
-
-
-@smpart.step
-def _classify(model, x, y):
-    loss = torch.nn.functional.cross_entropy(model(x), y)
-    model.backward(loss)
-    return loss
 
 
 @pytest.mark.timeout(200)

@@ -107,6 +107,8 @@ def test_a_rank_runs_on_its_stage_device_under_gloo_and_its_own_gpu_under_nccl(m
     _machine(monkeypatch, 0, 2)
     with pytest.raises(ConfigError, match="stage 1 is to run on cuda:0, but this process sees no CUDA GPU"):
         launch.rank_device(Config(pipeline_parallel_degree=2, devices=["cpu", "cuda:0"]), False, 1, 1)
+    with pytest.raises(ConfigError, match="devices: .*gpu0"):  # a name torch does not know
+        launch.rank_device(Config(pipeline_parallel_degree=2, devices=["cpu", "gpu0"]), False, 1, 1)
 
 
 @pytest.mark.parametrize("strategy", ["cluster", "spread"])

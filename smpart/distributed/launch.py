@@ -258,7 +258,10 @@ def named_device(spec: str | torch.device) -> torch.device:
     """The device ``spec`` names, as a tensor on it names its own: ``"cpu:0"`` is ``cpu``, and
     ``"cuda"`` the current CUDA device. A stage's device is compared with its tensors' at every
     call, and an unequal name for the same device would move (in effect, walk) every argument."""
-    device = torch.device(spec)
+    try:
+        device = torch.device(spec)
+    except RuntimeError as err:
+        raise ConfigError(f"devices: {err}") from None
     if device.type == "cpu":
         return torch.device("cpu")
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():

@@ -39,10 +39,7 @@ def choose_devices(config: Config) -> list[torch.device]:
     else the CPU for every stage."""
     stages = config.pipeline_parallel_degree
     if config.devices:
-        try:
-            return [named_device(d) for d in config.devices[:stages]]
-        except RuntimeError as err:
-            raise ConfigError(f"devices: {err}") from None
+        return [named_device(d) for d in config.devices[:stages]]
     if torch.cuda.is_available() and torch.cuda.device_count() >= stages:
         return [torch.device("cuda", i) for i in range(stages)]
     return [torch.device("cpu")] * stages

@@ -6,7 +6,7 @@ import itertools
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
@@ -196,6 +196,8 @@ def test_partition_on_unequal_devices_is_optimal_on_a_sequence(costs: list[int],
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), size=st.integers(4, 30),
        kinds=st.lists(st.sampled_from([SLOW, FAST]), min_size=2, max_size=4))
+# The walk's run estimate is optimistic here, and the best cut leaves slow stage 0 the root alone.
+@example(seed=566, size=8, kinds=[SLOW, FAST, FAST, SLOW])
 def test_partition_on_unequal_devices_never_worse_than_cutting_the_root(seed: int, size: int, kinds) -> None:
     """On any tree: every module placed once, every stage used, and no slower than the best cut
     between the root's called children, the root and its never-called children on stage 0 (an

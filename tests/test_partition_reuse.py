@@ -53,22 +53,45 @@ def loop_units_of(tree: ModuleTree, units: list[ModuleNode]) -> set[str]:
     return loop
 
 
+def root_own_load(
+    tree: ModuleTree, units: list[ModuleNode], costs: dict[str, float]
+) -> tuple[set[str], float]:
+    """The root and its children's subtrees holding no unit (empty when the root is a unit)."""
+    names = {u.name for u in units}
+    if tree.root.name in names:
+        return set(), 0.0
+    alone = {tree.root.name}
+    for child in tree.root.children:
+        subtree = {n.name for n in child.walk()}
+        if not subtree & names:
+            alone |= subtree
+    return alone, sum(costs[name] for name in alone)
+
+
 def brute_force(tree: ModuleTree, stages: int, costs: dict[str, float]) -> float:
-    """Best heaviest stage over every assignment of units the rule allows."""
+    """Best heaviest stage over every assignment of units the rule allows: the root's own load
+    rides with its first unit, or (when it is some work) sits alone on stage 0."""
     units = units_of(tree)
     cost = anchored_costs(tree, units, costs)
     loop = loop_units_of(tree, units)
+    alone, alone_cost = root_own_load(tree, units, costs)
+    seatings = [(cost, [0.0] * stages)]
+    if alone_cost > 0 and stages > 1:
+        rest = anchored_costs(tree, units, {n: 0.0 if n in alone else c for n, c in costs.items()})
+        seatings.append((rest, [alone_cost] + [0.0] * (stages - 1)))
     best = float("inf")
-    for assignment in itertools.product(range(stages), repeat=len(units)):
-        if len(set(assignment)) < stages:
-            continue
-        along = [s for u, s in zip(units, assignment, strict=True) if u.name not in loop]
-        if any(b < a for a, b in pairwise(along)):
-            continue
-        loads = [0.0] * stages
-        for u, s in zip(units, assignment, strict=True):
-            loads[s] += cost[u.name]
-        best = min(best, max(loads))
+    for unit_cost, preload in seatings:
+        for assignment in itertools.product(range(stages), repeat=len(units)):
+            used = set(assignment) | {s for s, p in enumerate(preload) if p > 0}
+            if len(used) < stages:
+                continue
+            along = [s for u, s in zip(units, assignment, strict=True) if u.name not in loop]
+            if any(b < a for a, b in pairwise(along)):
+                continue
+            loads = list(preload)
+            for u, s in zip(units, assignment, strict=True):
+                loads[s] += unit_cost[u.name]
+            best = min(best, max(loads))
     return best
 
 

@@ -20,7 +20,10 @@ level. So the partitioner also cuts the *call-ordered leaf sequence* exactly: ev
 without called descendants is a unit; every other module rides with the first-called unit below
 it (a parent's own cost and its uncalled children are charged to its first called leaf), or with
 its parent's unit when it has none. The segmentation DP then splits the units into exactly
-``num_stages`` non-empty pieces, with the load of pinned modules preloaded on their stages.
+``num_stages`` non-empty pieces, with the load of pinned modules preloaded on their stages. The
+root's own load (its own cost and its children that call nothing) is also tried alone on stage 0,
+the units filling the later stages, and kept there when that is strictly faster: the tree walk
+can leave a slow first device only that, and the leaf sequence must not do worse.
 
 **Reused subtrees (beyond the paper).** A module called several times (ALBERT's shared layer)
 runs its units again and again, so once they span two stages the flow loops back at every
@@ -375,8 +378,25 @@ def _leaf_sequence(
     hw: Hardware,
 ) -> dict[str, int]:
     """Exact min-max cut of the call-ordered units, every other free node riding with its anchor
-    (on unequal devices: of the slowest stage's time, within each device's memory when it can)."""
-    anchor = _anchors(tree.root, fixed, units)
+    (on unequal devices: of the slowest stage's time, within each device's memory when it can),
+    the root's own load seated as `_root_seatings` says."""
+    answers = []
+    for anchor, pinned in _root_seatings(tree.root, fixed, units, costs, num_stages):
+        unit_stage = _cut_units(units, anchor, costs, num_stages, pinned, hw)
+        answers.append(_spread_units(anchor, unit_stage, pinned))
+    return answers[_fastest(answers, costs, hw)]
+
+
+def _cut_units(
+    units: list[ModuleNode],
+    anchor: dict[str, str],
+    costs: dict[str, float],
+    num_stages: int,
+    fixed: dict[str, int],
+    hw: Hardware,
+) -> dict[str, int]:
+    """Stage of every unit: the exact cut of their costs (each with its riders) after the load
+    ``fixed`` puts on each stage."""
     unit_cost = _unit_costs(anchor, costs)
     costs_in_order = [unit_cost[u.name] for u in units]
     preload = _pin_loads(fixed, costs, num_stages)
@@ -394,8 +414,46 @@ def _leaf_sequence(
                 memory=[unit_bytes.get(u.name, 0.0) for u in units], capacity=room)
         except DoesNotFit:  # nothing fits: the fastest cut, which the caller reports as overflowing
             segmentation = min_max_segments(costs_in_order, num_stages, preload=preload, speeds=hw.speed)
-    unit_stage = dict(zip((u.name for u in units), segmentation.stage_of_items(), strict=True))
-    return _spread_units(anchor, unit_stage, fixed)
+    return dict(zip((u.name for u in units), segmentation.stage_of_items(), strict=True))
+
+
+def _root_seatings(
+    root: ModuleNode, fixed: dict[str, int], units: list[ModuleNode], costs: dict[str, float], num_stages: int
+) -> list[tuple[dict[str, str], dict[str, int]]]:
+    """The ways to seat the root's own load (the root and its children that call nothing), each as
+    (every free node's anchor unit, the nodes fixed on a stage): riding with the first unit, and,
+    where it is some work, alone on stage 0 with the units on the later stages (a first device
+    much slower than the rest is best left with the model's own code only, as the tree walk may
+    leave it). A stage with no work is no stage, so a root costing nothing is never alone."""
+    anchor = _anchors(root, fixed, units)
+    seatings = [(anchor, fixed)]
+    if root.name in fixed or any(u is root for u in units) or num_stages < 2:
+        return seatings
+    unit_names = {u.name for u in units}
+    alone = {root.name}
+    for child in root.children:
+        subtree = [n.name for n in child.walk()]
+        if not unit_names.intersection(subtree):
+            alone.update(name for name in subtree if name not in fixed)
+    if sum(costs[name] for name in alone) > 0:
+        rest = {name: unit for name, unit in anchor.items() if name not in alone}
+        seatings.append((rest, {**fixed, **dict.fromkeys(alone, 0)}))
+    return seatings
+
+
+def _fastest(answers: list[dict[str, int]], costs: dict[str, float], hw: Hardware) -> int:
+    """Which answer's slowest stage is fastest; the earlier one unless a later one is strictly so."""
+    def slowest(stage: dict[str, int]) -> float:
+        loads = [0.0] * len(hw.speed)
+        for name, s in stage.items():
+            loads[s] += costs[name]
+        return max(load / v for load, v in zip(loads, hw.speed, strict=True))
+
+    best = 0
+    for i, answer in enumerate(answers):
+        if slowest(answer) < slowest(answers[best]) * (1 - _TIE_TOLERANCE):
+            best = i
+    return best
 
 
 # ---------------------------------------------------------------- reuse-aware
@@ -418,24 +476,29 @@ def _reuse_aware(
     ``contiguous`` (the leaf-sequence answer) seeds the search. Returns the stages and whether
     the search proved them optimal under the rule.
     """
-    anchor = _anchors(tree.root, fixed, units)
-    unit_cost = _unit_costs(anchor, costs)
     ordered = [u.name for u in units if u.name not in loop]
     looped = [u.name for u in units if u.name in loop]
-    placement = place_loop_units(
-        [unit_cost[name] for name in ordered],
-        [unit_cost[name] for name in looped],
-        num_stages,
-        _pin_loads(fixed, costs, num_stages),
-        seed=[contiguous[name] for name in looped],
-        speeds=None if hw.uniform else hw.speed,
-    )
-    unit_stage = dict(zip(looped, placement.loop_stage, strict=True))
-    unit_stage.update(zip(ordered, placement.ordered_stage, strict=True))
-    stage = _spread_units(anchor, unit_stage, fixed)
+    answers: list[dict[str, int]] = []
+    exact: list[bool] = []
+    for anchor, pinned in _root_seatings(tree.root, fixed, units, costs, num_stages):
+        unit_cost = _unit_costs(anchor, costs)
+        placement = place_loop_units(
+            [unit_cost[name] for name in ordered],
+            [unit_cost[name] for name in looped],
+            num_stages,
+            _pin_loads(pinned, costs, num_stages),
+            seed=[contiguous[name] for name in looped],
+            speeds=None if hw.uniform else hw.speed,
+        )
+        unit_stage = dict(zip(looped, placement.loop_stage, strict=True))
+        unit_stage.update(zip(ordered, placement.ordered_stage, strict=True))
+        answers.append(_spread_units(anchor, unit_stage, pinned))
+        exact.append(placement.exact)
+    best = _fastest(answers, costs, hw)
+    stage = answers[best]
     if renumber:
         stage = _renumber_by_first_call(tree, stage, leading=set(ordered))
-    return stage, placement.exact
+    return stage, exact[best]
 
 
 def _unit_costs(anchor: dict[str, str], costs: dict[str, float]) -> dict[str, float]:
@@ -457,7 +520,7 @@ def _pin_loads(fixed: dict[str, int], costs: dict[str, float], num_stages: int) 
 def _spread_units(
     anchor: dict[str, str], unit_stage: dict[str, int], fixed: dict[str, int]
 ) -> dict[str, int]:
-    """Stage of every node: pinned ones as pinned, the rest with their unit."""
+    """Stage of every node: fixed ones where they are, the rest with their unit."""
     stage = dict(fixed)
     for name, unit in anchor.items():
         stage[name] = unit_stage[unit]

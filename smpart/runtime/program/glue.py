@@ -603,6 +603,13 @@ class MicrobatchRun:
         self.rank.loss_round(self, value, grad * self.rank.grad_scale)
 
     # ================================================================ the body's result
+    def let_go(self) -> None:
+        """Drop what ties this run in cycles (its frames name it, its roots' tensors mark it)."""
+        self.roots.clear()
+        self.leaves.clear()
+        self.outbox.clear()
+        self.frame = self.inline = None  # type: ignore[assignment]
+
     def finish(self, result: Any) -> None:
         """The body returned ``result``: each of its tensors is kept by one rank holding it."""
         with _no_glue_mode():
@@ -735,28 +742,25 @@ def _operands(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return found
 
 
-def _swap_placeholders(value: Any, swap: Callable[[torch.Tensor], Any]) -> Any:
+def _swap_placeholders(value: Any, swap: Callable[[torch.Tensor], Any], every: bool = False) -> Any:
     """``value`` with every placeholder replaced by ``swap(placeholder)`` (and, for ``meta_of``,
-    every tensor: shape inference runs on the meta device)."""
-    every = swap is meta_of
-
-    def visit(v: Any) -> Any:
-        kind = type(v)
-        if kind is Placeholder or (every and isinstance(v, torch.Tensor)):
-            return swap(v)
-        if kind is tuple:
-            return tuple([visit(x) for x in v])
-        if kind is list:
-            return [visit(x) for x in v]
-        if kind is dict:
-            return {key: visit(x) for key, x in v.items()}
-        if v is None or boundary.is_plain(kind) or isinstance(v, torch.Tensor) or kind is slice:
-            return v
-        return pytree.tree_map(
-            lambda x: swap(x) if type(x) is Placeholder or (every and isinstance(x, torch.Tensor)) else x, v
-        )
-
-    return visit(value)
+    every tensor: shape inference runs on the meta device). A plain recursive function, not a
+    closure: a closure that calls itself is a reference cycle, freed only by the collector."""
+    every = every or swap is meta_of
+    kind = type(value)
+    if kind is Placeholder or (every and isinstance(value, torch.Tensor)):
+        return swap(value)
+    if kind is tuple:
+        return tuple([_swap_placeholders(x, swap, every) for x in value])
+    if kind is list:
+        return [_swap_placeholders(x, swap, every) for x in value]
+    if kind is dict:
+        return {key: _swap_placeholders(x, swap, every) for key, x in value.items()}
+    if value is None or boundary.is_plain(kind) or isinstance(value, torch.Tensor) or kind is slice:
+        return value
+    return pytree.tree_map(
+        lambda x: swap(x) if type(x) is Placeholder or (every and isinstance(x, torch.Tensor)) else x, value
+    )
 
 
 def _moved_to(value: Any, device: torch.device) -> Any:

@@ -63,6 +63,7 @@ class OneThread:
                 self.ready.popleft().switch()
         finally:
             own.resume()
+            self.wire.one_thread = self.hub = None  # no cycle left behind with the wire
 
     def receive(self, me: int, key: tuple, src: int) -> tuple[torch.Tensor | None, bool]:
         """Stage ``me``'s receive: other stages run until ``src`` has made the transfer."""

@@ -138,9 +138,17 @@ class StagedForward(WrappedForward):
             return frame.endpoint.call(frame, self.stage, self.model, self.name, args, kwargs)
         if frame.claim is None:  # a resumed call, running as glue
             frame.endpoint.enter_compute(frame)
-        if templates.recorder is None:  # the common case, every call of a program step: the forward
-            return self._forward(frame, args, kwargs)
-        return self.run_here(frame, args, kwargs)
+        if templates.recorder is not None:
+            return self.run_here(frame, args, kwargs)
+        # The common case, every call inside a module a program step runs whole: the forward, in
+        # this frame (`_forward` and `original` inlined: this runs once per module call).
+        try:
+            if self.instance_forward is not None:
+                return self.instance_forward(*args, **kwargs)
+            return type(self.module).forward(self.module, *args, **kwargs)
+        except Exception as err:
+            mark_origin(err, frame.stage, self.name, frame.microbatch)
+            raise
 
     def run_here(self, frame: Frame | None, args: tuple, kwargs: dict) -> Any:
         recorder = templates.recorder if frame is not None else None

@@ -338,8 +338,12 @@ class ProgramThread:
         self.jobs.put(job)
 
     def _loop(self) -> None:
-        while (job := self.jobs.get()) is not None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
             job()
+            del job  # a step's state goes as it ends, not when the next step comes
 
     def stop(self, timeout_s: float) -> list[str]:
         self.jobs.put(None)

@@ -237,6 +237,80 @@ def test_a_program_that_diverges_on_one_replica_runs_again_on_the_reference_runt
         assert "diverged" in seen[3][1], seen[3]
 
 
+def _replicas_apart(rank, apart):
+    """pp 1 x dp 2 (DDP's shape), where a program step asks for the replicas' check only before
+    its backward: replica 1 decides to run every step on the reference runtime (``reference
+    runtime``), or feeds a batch of another shape at step 3 (``other shape``, a program step on
+    replica 0)."""
+    from smpart.runtime.program import guards
+    from tests.test_programs import Chain, batch
+
+    if apart == "reference runtime" and rank == 1:  # as a replica whose first step failed would
+        decide = guards.ModelPrograms.decide
+        guards.ModelPrograms.decide = lambda self, key, on: guards.Decision(key, "replica 1's own reasons")
+    torch.manual_seed(0)
+    model = Chain().double()
+    reference = copy.deepcopy(model)
+    smpart.init(pipeline_parallel_degree=1, microbatches=2, timeout_s=60)
+    dm = smpart.DistributedModel(model)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    @smpart.step
+    def step(model, x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    seen, worst = [], 0.0
+    for i in range(5):
+        x, y = batch(i)
+        mine = slice(4 * rank, 4 * rank + (2 if apart == "other shape" and i == 3 and rank == 1 else 4))
+        try:
+            out = step(dm, x[mine], y[mine])
+        except smpart.SmpartError as err:
+            seen.append(("error", str(err)))
+            opt.zero_grad()
+            continue
+        losses = []
+        for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True):
+            loss = torch.nn.functional.cross_entropy(reference(xs), ys)
+            (loss / 4).backward()
+            losses.append(loss.detach())
+        worst = max(worst, (out.stack() - torch.stack(losses)[2 * rank:][:2]).abs().max().item())
+        seen.append((out.timeline.runtime, out.timeline.reason))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    if apart == "reference runtime" and rank == 1:
+        guards.ModelPrograms.decide = decide
+    return rank, seen, max(worst, _state_difference(dm, reference))
+
+
+@pytest.mark.timeout(200)
+def test_a_replica_on_the_reference_runtime_takes_the_others_there_from_before_their_backward():
+    """Replica 0 starts each step's program and learns from the check, before its backward, that
+    replica 1 runs the step on the reference runtime: it gives its forward up and runs the step
+    there too; both equal the unsplit model on the global batch."""
+    for rank, seen, worst in values(run_ranks(_replicas_apart, 2, "reference runtime", timeout_s=190)):
+        assert worst <= TOL, worst
+        assert [runtime for runtime, _ in seen] == ["reference"] * 5, seen
+        if rank == 0:
+            assert all("another data-parallel replica" in why for _, why in seen[2:]), seen
+
+
+@pytest.mark.timeout(200)
+def test_replicas_fed_batches_of_other_shapes_at_a_program_step_are_told_so_and_train_on():
+    """At a program step the check's answer comes before the backward: both replicas raise (as at
+    a first step), no gradient is averaged, and the next step runs its program again."""
+    for _, seen, worst in values(run_ranks(_replicas_apart, 2, "other shape", timeout_s=190)):
+        assert worst <= TOL, worst
+        assert seen[3][0] == "error" and "different shapes" in seen[3][1], seen
+        assert [runtime for runtime, _ in seen[:3]] == ["reference", "program", "program"], seen
+        assert seen[4][0] == "program", seen
+
+
 def _llama():
     import transformers
 

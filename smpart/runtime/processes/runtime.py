@@ -179,7 +179,7 @@ class ProcessRuntime(Runtime):
             self._begin_gradient_sync()
             results, timeline = program_steps.drive(
                 self, step, fn, pieces, model, lambda: StepRun(self, step, fn, pieces).execute(),
-                lambda code: self._check_replicas_agree(pieces, samples, code))
+                lambda code: self._post_replica_check(pieces, samples, code))
         except BaseException as err:  # noqa: BLE001 - every rank hears of it, then it is raised here
             error = err
         result = StepResult(step, results, timeline, _shippable(error, self.rank))
@@ -364,14 +364,18 @@ class ProcessRuntime(Runtime):
         if error is not None:
             raise error
 
-    def _check_replicas_agree(self, pieces: list[tuple[tuple, dict]], samples: int | None = None,
-                              code: int = 0) -> int:
+    def _post_replica_check(self, pieces: list[tuple[tuple, dict]], samples: int | None = None,
+                            code: int = 0) -> Callable[[], int]:
         """Data-parallel replicas must feed batches of one size, their gradients are averaged; with
         batch shares, batches in the shares' proportions, alike but for the batch axis. The same
-        small all-reduce carries ``code`` (how this replica would run the step): the largest of the
-        replicas' is returned, so that they run it alike."""
+        small all-reduce carries ``code`` (how this replica would run the step), and the function
+        returned gives the largest of the replicas' codes, so that they run the step alike, or
+        raises if the batches differ. The all-reduce is posted now and waited for once, by that
+        function, at most ``timeout_s``: a program step with nothing but data parallelism asks
+        only before its first backward, the round trip hidden behind the forward
+        (`program.steps.drive`)."""
         if self.layout.dp == 1:
-            return code
+            return lambda: code
         group, phase = self.setup.dp_control_group, ordinal(self.steps_taken, CHECK)
         where = f"the check of the replicas' batches at the start of step {self.steps_taken + 1}"
         self.attendance.arrive(phase, where)
@@ -388,17 +392,32 @@ class ProcessRuntime(Runtime):
         # every step: one small all-reduce of a digest (its max and its negated min), on CPU
         digest = int.from_bytes(hashlib.sha256(repr(shapes).encode()).digest()[:7], "little")
         extremes = torch.tensor([digest, -digest, code], dtype=torch.int64)
-        wait(dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group, async_op=True))
-        most, least, code = extremes.tolist()
-        if most == -least:
-            return code
+        work = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        answer: list[Any] = []  # the code, or the error: asked again, the same, with no collective
+
+        def resolve() -> int:
+            if not answer:
+                try:
+                    wait(work)
+                    most, least, agreed = extremes.tolist()
+                    if most != -least:
+                        self._name_batch_mismatch(shapes, group)
+                    answer.append(agreed)
+                except BaseException as err:
+                    answer.append(err)
+            if isinstance(answer[0], BaseException):
+                raise answer[0]
+            return answer[0]
+
+        return resolve
+
+    def _name_batch_mismatch(self, shapes: list[tuple], group: Any) -> None:
         every = all_gather_objects(shapes, group, self.config.timeout_s, "the shapes of the batches")
         if any(other != shapes for other in every):
             sizes = {d: [s[0] if s else None for s in shape][:3] for d, shape in enumerate(every)}
             raise SmpartError(f"the data-parallel replicas were fed batches of different shapes (first "
                               f"dimensions by replica: {sizes}); every replica must step on a batch of the "
                               "same size, since their gradients are averaged")
-        return code
 
     # ================================================================ placement
     def _start_alike(self, pieces: list[tuple[tuple, dict]]) -> None:

@@ -233,8 +233,11 @@ class RankRun:
         ambient: ambient_state.Ambient,
         grad_scale: float,
         microbatches: int,
+        before_backward: Callable[[], None] | None = None,
     ) -> None:
         self.context = context
+        #: Called once, before this rank's first backward of the step (`steps.drive`).
+        self.before_backward = before_backward
         self.me = context.me
         self.size = context.size
         self.everyone = (1 << context.size) - 1
@@ -381,6 +384,9 @@ class RankRun:
     def loss_round(self, run: MicrobatchRun, loss: torch.Tensor, grad: torch.Tensor) -> None:
         """The loss's backward, on the rank holding the loss, at ``model.backward(loss)``: its span
         is its own, the forward's ends where it starts (and goes on after it, for the body's tail)."""
+        if self.before_backward is not None:
+            ask, self.before_backward = self.before_backward, None
+            ask()
         start = time.time()
         self.report.spans.append((run.microbatch, "forward", self.span_start, start))
         name = (

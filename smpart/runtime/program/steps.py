@@ -370,17 +370,21 @@ def drive(
     pieces: list[tuple[tuple, dict]],
     model: Any,
     reference: Callable[[], tuple[list[Any], Timeline]],
-    agree: Callable[[int], int],
+    check: Callable[[int], Callable[[], int]],
 ) -> tuple[list[Any], Timeline]:
     """One step on the first stage's rank under ``torchrun``: decide, tell the other ranks, run.
-    ``agree(code)``, called once in every step, is the largest ``code`` of the data-parallel
-    replicas (1: the reference runtime): they run a step alike, on one runtime, so their
-    averages pair up (a replica whose first step failed places later)."""
+    ``check(code)``, called once in every step, posts the data-parallel replicas' check of the
+    batches and returns what waits for its answer: the largest ``code`` of the replicas (1: the
+    reference runtime). They run a step alike, on one runtime, so their averages pair up (a
+    replica whose first step failed places later). A program step of one stage and one
+    tensor-parallel rank waits for it only before its first backward (no collective of the
+    replicas comes earlier): until then the forward hides the round trip, and should another
+    replica run the step on the reference runtime, this one gives its forward up and does too."""
     programs = programs_of(model) if model._runtime is runtime else None
     ambient = capture()
     config = runtime.config
     if programs is None:
-        agree(1)
+        check(1)()
         results, timeline, recorded = _reference(reference, "the first step places the model (recording)",
                                                  record=config.step_programs)
         programs = programs_of(model) if model._runtime is runtime else None
@@ -393,9 +397,11 @@ def drive(
         key = step_key(fn, pieces, config, ambient, model)
         decision = programs.decide(key, config.step_programs)
     except BaseException:
-        agree(1)  # the replicas' collectives still pair; the step fails on every replica
+        check(1)()  # the replicas' collectives still pair; the step fails on every replica
         raise
-    if agree(int(decision.reference)) and not decision.reference:
+    agreed = check(int(decision.reference))
+    deferred = not decision.reference and programs.size == 1 and runtime.layout.tp == 1
+    if not deferred and agreed() and not decision.reference:
         decision = Decision(key, "another data-parallel replica runs this step on the reference runtime")
     if decision.reference:
         results, timeline, recorded = _reference(reference, programs.reason_for(key) or decision.reason,
@@ -404,12 +410,17 @@ def drive(
             programs.learn_templates(key, _with_reports(recorded, timeline))
         return results, timeline
     snapshot = Snapshot(programs)
-    attempt = ProcessProgramStep(runtime, model, programs, decision, fn, step, ambient)
+    attempt = ProcessProgramStep(runtime, model, programs, decision, fn, step, ambient,
+                                 before_backward=_unless_replicas_differ(agreed) if deferred else None)
     error: BaseException | None = None
     try:
         results, timeline, reports = attempt.lead(pieces)
     except BaseException as err:  # noqa: BLE001 - settled with the other replicas first
         error = err
+    if deferred and agreed():  # another replica runs it on the reference runtime (or raised here)
+        snapshot.restore()
+        return _reference(reference, "another data-parallel replica runs this step on the reference runtime",
+                          record=False)[:2]
     code = attempt.settle(error)
     if code:  # this replica's program, or another's, diverged: run the step again
         snapshot.restore()
@@ -426,6 +437,19 @@ def drive(
         programs.mutable_buffers = snapshot.changed_buffers()
         _build(programs, key, reports, config, data_parallel=runtime.layout.dp > 1)
     return results, timeline
+
+
+class _ReplicaRunsReference(Exception):  # noqa: N818 - not an error: the step runs again
+    """Another data-parallel replica runs this step on the reference runtime: so does this one."""
+
+
+def _unless_replicas_differ(agreed: Callable[[], int]) -> Callable[[], None]:
+    """What a deferred program step runs before its first backward: the replicas' check."""
+    def before_backward() -> None:
+        if agreed():
+            raise _ReplicaRunsReference("another data-parallel replica runs this step on the reference "
+                                        "runtime")
+    return before_backward
 
 
 def _with_reports(recorded: dict[tuple, Any], timeline: Timeline) -> dict[tuple, Any]:
@@ -458,11 +482,13 @@ class ProcessProgramStep:
         fn: Callable,
         step: int,
         ambient: Ambient,
+        before_backward: Callable[[], None] | None = None,
     ) -> None:
         self.runtime = runtime
         self.model = model
         self.programs = programs
         self.decision = decision
+        self.before_backward = before_backward
         self.program: Program | None = decision.program
         self.fn = fn
         self.step = step
@@ -616,7 +642,7 @@ class ProcessProgramStep:
             PROGRAM,
         )
         run = RankRun(context, self.step, self.program, self.fn, inputs, wire, self.ambient, scale,
-                      microbatches)
+                      microbatches, before_backward=self.before_backward)
         try:
             return run.run(), None, wire
         except BaseException as err:  # noqa: BLE001 - every rank of the step hears of it

@@ -46,14 +46,15 @@ def _assert_report(results):
             diff.assert_within(TOL, config)
 
 
-#: Two halves of micro-batches x schedule, each holding every micro-batch count and both schedules:
-#: the zoo's models take them in turn, so every model meets both schedules and every pair runs.
-HALVES = [((1, "gpipe"), (2, "1f1b"), (4, "gpipe")), ((1, "1f1b"), (2, "gpipe"), (4, "1f1b"))]
+#: Three thirds of micro-batches x schedule, each holding both schedules: the zoo's models take
+#: them in turn, so every model meets both schedules and every pair runs (two configurations a
+#: model, not all six: the suite's time is near its bound).
+THIRDS = [((1, "gpipe"), (2, "1f1b")), ((4, "gpipe"), (1, "1f1b")), ((2, "gpipe"), (4, "1f1b"))]
 
 
 @pytest.mark.timeout(600)
 def test_zoo_grid_on_two_processes():
-    configs = [(name, mb, schedule) for i, name in enumerate(ZOO) for mb, schedule in HALVES[i % 2]]
+    configs = [(name, mb, schedule) for i, name in enumerate(ZOO) for mb, schedule in THIRDS[i % 3]]
     _assert_report(run_ranks(_train_zoo, 2, configs, timeout_s=580))
 
 

@@ -190,42 +190,53 @@ class _Branch(torch.nn.Module):
         return self.head(h)
 
 
-def _one_replica_diverges(rank):
-    torch.manual_seed(0)
-    model = _Branch().double()
+def _two_replicas_train(model, steps, batch_of, pp=1, pin=None):
+    """``model`` trained on 2 data-parallel replicas of ``pp`` stages, 2 micro-batches each, SGD,
+    against the unsplit model on the global batch: ``batch_of(step, replica)`` gives the global
+    batch and the rows this replica takes. Each step's runtime and reason (or the `SmpartError`
+    it raised, with no update), and the worst difference of the losses and the final state."""
+    from tests.test_programs import classify
+
     reference = copy.deepcopy(model)
-    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60,
-                pin={"": 0, "first": 0, "extra": 1, "head": 1})
+    smpart.init(pipeline_parallel_degree=pp, microbatches=2, timeout_s=60, pin=pin or {})
     dm = smpart.DistributedModel(model)
     opt = smpart.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.1))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-
-    @smpart.step
-    def step(model, x, y):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
-
+    replica = smpart.dp_rank()
     seen, worst = [], 0.0
-    for i in range(6):
-        g = torch.Generator().manual_seed(i)
-        x, y = torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randint(4, (8,), generator=g)
-        if i == 3:
-            x[4, 0] = 9.0  # the first micro-batch of replica 1 takes the detour
-        mine = slice(4 * smpart.dp_rank(), 4 * smpart.dp_rank() + 4)
-        out = step(dm, x[mine], y[mine])
+    for i in range(steps):
+        x, y, mine = batch_of(i, replica)
+        try:
+            out = classify(dm, x[mine], y[mine])
+        except smpart.SmpartError as err:
+            seen.append(("error", str(err)))
+            opt.zero_grad()
+            continue
         losses = []
         for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True):
             loss = torch.nn.functional.cross_entropy(reference(xs), ys)
             (loss / 4).backward()
             losses.append(loss.detach())
-        worst = max(worst, (out.stack() - torch.stack(losses)[2 * smpart.dp_rank():][:2]).abs().max().item())
+        worst = max(worst, (out.stack() - torch.stack(losses)[2 * replica:][:2]).abs().max().item())
         seen.append((out.timeline.runtime, out.timeline.reason))
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
     return seen, max(worst, _state_difference(dm, reference))
+
+
+def _one_replica_diverges(rank):
+    def batch_of(i, replica):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randint(4, (8,), generator=g)
+        if i == 3:
+            x[4, 0] = 9.0  # the first micro-batch of replica 1 takes the detour
+        return x, y, slice(4 * replica, 4 * replica + 4)
+
+    torch.manual_seed(0)
+    return _two_replicas_train(_Branch().double(), 6, batch_of, pp=2,
+                               pin={"": 0, "first": 0, "extra": 1, "head": 1})
 
 
 @pytest.mark.timeout(240)
@@ -245,47 +256,18 @@ def _replicas_apart(rank, apart):
     from smpart.runtime.program import guards
     from tests.test_programs import Chain, batch
 
+    def batch_of(i, replica):
+        rows = 2 if apart == "other shape" and i == 3 and replica == 1 else 4
+        return (*batch(i), slice(4 * replica, 4 * replica + rows))
+
+    decide = guards.ModelPrograms.decide
     if apart == "reference runtime" and rank == 1:  # as a replica whose first step failed would
-        decide = guards.ModelPrograms.decide
         guards.ModelPrograms.decide = lambda self, key, on: guards.Decision(key, "replica 1's own reasons")
-    torch.manual_seed(0)
-    model = Chain().double()
-    reference = copy.deepcopy(model)
-    smpart.init(pipeline_parallel_degree=1, microbatches=2, timeout_s=60)
-    dm = smpart.DistributedModel(model)
-    opt = smpart.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.1))
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-
-    @smpart.step
-    def step(model, x, y):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
-
-    seen, worst = [], 0.0
-    for i in range(5):
-        x, y = batch(i)
-        mine = slice(4 * rank, 4 * rank + (2 if apart == "other shape" and i == 3 and rank == 1 else 4))
-        try:
-            out = step(dm, x[mine], y[mine])
-        except smpart.SmpartError as err:
-            seen.append(("error", str(err)))
-            opt.zero_grad()
-            continue
-        losses = []
-        for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True):
-            loss = torch.nn.functional.cross_entropy(reference(xs), ys)
-            (loss / 4).backward()
-            losses.append(loss.detach())
-        worst = max(worst, (out.stack() - torch.stack(losses)[2 * rank:][:2]).abs().max().item())
-        seen.append((out.timeline.runtime, out.timeline.reason))
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    if apart == "reference runtime" and rank == 1:
+    try:
+        torch.manual_seed(0)
+        return (rank, *_two_replicas_train(Chain().double(), 5, batch_of))
+    finally:
         guards.ModelPrograms.decide = decide
-    return rank, seen, max(worst, _state_difference(dm, reference))
 
 
 @pytest.mark.timeout(200)

@@ -293,6 +293,32 @@ def test_replicas_fed_batches_of_other_shapes_at_a_program_step_are_told_so_and_
         assert seen[4][0] == "program", seen
 
 
+def _unsplittable_batch(rank):
+    """pp 2 x dp 2: at step 3 replica 1 is fed 3 rows, which do not split into 2 micro-batches."""
+    from tests.test_programs import Chain, batch, chain_pins
+
+    def batch_of(i, replica):
+        return (*batch(i), slice(4 * replica, 4 * replica + (3 if i == 3 and replica == 1 else 4)))
+
+    torch.manual_seed(0)
+    seen, worst = _two_replicas_train(Chain().double(), 5, batch_of, pp=2, pin=chain_pins(2))
+    return smpart.dp_rank(), seen, worst
+
+
+@pytest.mark.timeout(200)
+def test_a_replica_whose_batch_does_not_split_fails_the_step_on_every_replica_which_train_on():
+    """Every rank of the replica raises why, every rank of the other raises that a replica could
+    not split its batch (none waits for the other to time out), and the next step finds them in
+    step: its program runs, and both equal the unsplit model, which skipped the failed step."""
+    for replica, seen, worst in values(run_ranks(_unsplittable_batch, 4, timeout_s=190)):
+        assert worst <= TOL, worst
+        assert seen[3][0] == "error", seen
+        why = "does not split into 2 equal micro-batches" if replica == 1 else "could not split its batch"
+        assert why in seen[3][1], (replica, seen[3])
+        assert [runtime for runtime, _ in seen[:3]] == ["reference", "program", "program"], seen
+        assert seen[4][0] == "program", seen
+
+
 def _llama():
     import transformers
 

@@ -68,6 +68,11 @@ class Runtime(abc.ABC):
         """Run ``fn`` over ``pieces`` (one per micro-batch) for ``model``: (results, timeline).
         ``samples``: the step's batch size (what data-parallel replicas with shares check)."""
 
+    def refuse_step(self, fn: Callable, error: SmpartError, model: Any, samples: int | None) -> None:
+        """A step whose batch could not be split into micro-batches here: raise ``error`` (where
+        ranks step together, after the collectives that keep them in step)."""
+        raise error
+
     def ensure_placed(self, model: Any, args: tuple, kwargs: dict) -> None:
         """Partition and place ``model`` at its first call (micro-batch 0 of its first step), once:
         the first of the threads that reach it places, the others find it placed."""

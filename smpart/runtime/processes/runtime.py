@@ -77,6 +77,10 @@ from smpart.runtime.wire.processes import ProcessTransport
 from smpart.runtime.wire.routed import RoutedTransport
 from smpart.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel, splittable_fraction
 
+#: The code a replica whose batch could not be split posts in the replicas' check (`refuse_step`);
+#: the others post 0 (a program step) or 1 (the reference runtime).
+REFUSED = 2
+
 if TYPE_CHECKING:
     from smpart.runtime.model import DistributedModel
 
@@ -155,7 +159,8 @@ class ProcessRuntime(Runtime):
 
     # ================================================================ steps
     def run_step(self, fn: Callable, pieces: list[tuple[tuple, dict]],
-                 model: Any = None, samples: int | None = None) -> tuple[list[Any], Any]:
+                 model: Any = None, samples: int | None = None,
+                 refused: SmpartError | None = None) -> tuple[list[Any], Any]:
         with self.stepping(self._step_lock):
             step = self.steps_taken
             self.transport.step = step
@@ -163,7 +168,7 @@ class ProcessRuntime(Runtime):
                 self._start_alike(pieces)
                 if self.is_driver:
                     self.states.before_step(step)  # its parameters hold still until the step begins
-                    return self._drive(step, fn, pieces, model, samples)
+                    return self._drive(step, fn, pieces, model, samples, refused)
                 self.states.answer_waiting()  # before the stage may begin the step (`arm`)
                 self.states.done_asking(self.driver_place, step)
                 return self._follow(step, fn, model, pieces)
@@ -171,12 +176,25 @@ class ProcessRuntime(Runtime):
                 self.transport.step = None
                 self.steps_taken = step + 1
 
+    def refuse_step(self, fn: Callable, error: SmpartError, model: Any, samples: int | None) -> None:
+        """This rank's batch could not be split into micro-batches: with data-parallel replicas, the
+        step still takes part in what every replica's step does together (the batch check, the
+        gradients' end), so that each replica raises (the others name this one's failure) and the
+        next step finds them in step; then ``error`` is raised."""
+        if self.layout.dp == 1:
+            raise error
+        self.run_step(fn, [((model,), {})], model, samples, refused=error)
+
     def _drive(self, step: int, fn: Callable, pieces: list[tuple[tuple, dict]],
-               model: Any, samples: int | None) -> tuple[list[Any], Any]:
+               model: Any, samples: int | None, refused: SmpartError | None = None) -> tuple[list[Any], Any]:
         error: BaseException | None = None
         results = timeline = None
         try:
             self._begin_gradient_sync()
+            if refused is not None:
+                with contextlib.suppress(SmpartError):  # what the others hear; this replica says why
+                    self._post_replica_check([], samples, REFUSED)()
+                raise refused
             results, timeline = program_steps.drive(
                 self, step, fn, pieces, model, lambda: StepRun(self, step, fn, pieces).execute(),
                 lambda code: self._post_replica_check(pieces, samples, code))
@@ -400,6 +418,10 @@ class ProcessRuntime(Runtime):
                 try:
                     wait(work)
                     most, least, agreed = extremes.tolist()
+                    if agreed >= REFUSED:
+                        raise SmpartError(
+                            "another data-parallel replica could not split its batch into micro-batches "
+                            "(its ranks raise why): every replica must step on a batch that splits")
                     if most != -least:
                         self._name_batch_mismatch(shapes, group)
                     answer.append(agreed)

@@ -417,8 +417,7 @@ def drive(
         results, timeline, reports = attempt.lead(pieces)
     except BaseException as err:  # noqa: BLE001 - settled with the other replicas first
         error = err
-    if deferred and agreed():  # another replica runs it on the reference runtime (or raised here)
-        snapshot.restore()
+    if deferred and _replicas_differ(agreed, snapshot):  # another replica runs it on the reference runtime
         return _reference(reference, "another data-parallel replica runs this step on the reference runtime",
                           record=False)[:2]
     code = attempt.settle(error)
@@ -441,6 +440,20 @@ def drive(
 
 class _ReplicaRunsReference(Exception):  # noqa: N818 - not an error: the step runs again
     """Another data-parallel replica runs this step on the reference runtime: so does this one."""
+
+
+def _replicas_differ(agreed: Callable[[], int], snapshot: Snapshot) -> bool:
+    """After a deferred program step's forward: whether another replica runs the step on the
+    reference runtime; either way of leaving it (that, or the replicas' check failing: batches of
+    other shapes, a replica that could not split its batch) puts back what the forward changed."""
+    try:
+        differ = bool(agreed())
+    except BaseException:
+        snapshot.restore()
+        raise
+    if differ:
+        snapshot.restore()
+    return differ
 
 
 def _unless_replicas_differ(agreed: Callable[[], int]) -> Callable[[], None]:

@@ -60,9 +60,12 @@ class Step:
         model = _the_model(args, kwargs)
         if groups.tp_size() > 1 and not state.cfg.prescaled_batch:
             args, kwargs = self._scaled_batch(args, kwargs, microbatches)
-        pieces = split_arguments(self.fn, args, kwargs, microbatches,
-                                 skip=lambda v: isinstance(v, DistributedModel | nn.Module) or _sliceable(v),
-                                 non_split=self.non_split_inputs, axes=self.input_split_axes)
+        try:
+            pieces = split_arguments(self.fn, args, kwargs, microbatches, skip=_not_split,
+                                     non_split=self.non_split_inputs, axes=self.input_split_axes)
+        except SmpartError as err:  # raised on every rank that steps with this one (`refuse_step`)
+            current_runtime().refuse_step(self.fn, err, model, None)
+            raise
         pieces = [self._sliced(piece, i, microbatches) for i, piece in enumerate(pieces)]
         out = self._run(model, torch.arange(microbatches), pieces)
         return _step_outputs(out[0].outputs, out[0].timeline)
@@ -124,6 +127,11 @@ def step(fn: Callable | None = None, *, non_split_inputs: Iterable[str] | None =
     if fn is None:
         return lambda f: Step(f, non_split_inputs, input_split_axes, detach_outputs)
     return Step(fn, non_split_inputs, input_split_axes, detach_outputs)
+
+
+def _not_split(value: Any) -> bool:
+    """What `split_arguments` leaves whole: the model, modules, and objects that slice themselves."""
+    return isinstance(value, DistributedModel | nn.Module) or _sliceable(value)
 
 
 def _sliceable(value: Any) -> bool:

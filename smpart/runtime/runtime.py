@@ -68,7 +68,7 @@ class Runtime(abc.ABC):
         """Run ``fn`` over ``pieces`` (one per micro-batch) for ``model``: (results, timeline).
         ``samples``: the step's batch size (what data-parallel replicas with shares check)."""
 
-    def refuse_step(self, fn: Callable, error: SmpartError, model: Any, samples: int | None) -> None:
+    def refuse_step(self, fn: Callable, error: SmpartError, model: Any) -> None:
         """A step whose batch could not be split into micro-batches here: raise ``error`` (where
         ranks step together, after the collectives that keep them in step)."""
         raise error

@@ -39,7 +39,7 @@ class StepFunction:
         try:
             pieces = split_arguments(self.fn, args, kwargs, runtime.config.microbatches, **split)
         except SmpartError as err:  # raised on every rank that steps with this one, not only here
-            runtime.refuse_step(self.fn, err, model, _samples_if_any(self.fn, args, kwargs, split))
+            runtime.refuse_step(self.fn, err, model)
             raise
         samples = batch_samples(self.fn, args, kwargs, **split)
         results, timeline = runtime.run_step(self.fn, pieces, model, samples=samples)
@@ -57,14 +57,6 @@ def step(fn: Callable | None = None, *, non_split_inputs: Iterable[str] = (),
     if fn is None:
         return lambda f: StepFunction(f, non_split_inputs, input_split_axes)
     return StepFunction(fn, non_split_inputs, input_split_axes)
-
-
-def _samples_if_any(fn: Callable, args: tuple, kwargs: dict, split: dict) -> int | None:
-    """The batch size of a step whose arguments could not be split, where it can be read."""
-    try:
-        return batch_samples(fn, args, kwargs, **split)
-    except (TypeError, IndexError):
-        return None
 
 
 def _warn_if_unsplit(fn: Callable, model: DistributedModel) -> None:

@@ -64,7 +64,7 @@ class Step:
             pieces = split_arguments(self.fn, args, kwargs, microbatches, skip=_not_split,
                                      non_split=self.non_split_inputs, axes=self.input_split_axes)
         except SmpartError as err:  # raised on every rank that steps with this one (`refuse_step`)
-            current_runtime().refuse_step(self.fn, err, model, None)
+            current_runtime().refuse_step(self.fn, err, model)
             raise
         pieces = [self._sliced(piece, i, microbatches) for i, piece in enumerate(pieces)]
         out = self._run(model, torch.arange(microbatches), pieces)

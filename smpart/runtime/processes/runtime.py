@@ -176,14 +176,14 @@ class ProcessRuntime(Runtime):
                 self.transport.step = None
                 self.steps_taken = step + 1
 
-    def refuse_step(self, fn: Callable, error: SmpartError, model: Any, samples: int | None) -> None:
+    def refuse_step(self, fn: Callable, error: SmpartError, model: Any) -> None:
         """This rank's batch could not be split into micro-batches: with data-parallel replicas, the
         step still takes part in what every replica's step does together (the batch check, the
         gradients' end), so that each replica raises (the others name this one's failure) and the
         next step finds them in step; then ``error`` is raised."""
         if self.layout.dp == 1:
             raise error
-        self.run_step(fn, [((model,), {})], model, samples, refused=error)
+        self.run_step(fn, [((model,), {})], model, refused=error)
 
     def _drive(self, step: int, fn: Callable, pieces: list[tuple[tuple, dict]],
                model: Any, samples: int | None, refused: SmpartError | None = None) -> tuple[list[Any], Any]:
@@ -193,7 +193,7 @@ class ProcessRuntime(Runtime):
             self._begin_gradient_sync()
             if refused is not None:
                 with contextlib.suppress(SmpartError):  # what the others hear; this replica says why
-                    self._post_replica_check([], samples, REFUSED)()
+                    self._post_replica_check([], None, REFUSED)()
                 raise refused
             results, timeline = program_steps.drive(
                 self, step, fn, pieces, model, lambda: StepRun(self, step, fn, pieces).execute(),

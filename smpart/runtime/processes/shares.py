@@ -158,7 +158,8 @@ def check_batch_shares(samples: int | None, shares: Sequence[float], replica: in
     fed = [int(t.item()) for t in every]
     if any(n < 0 for n in fed):
         raise SmpartError("with data_parallel_shares every replica's step needs a tensor argument to split "
-                          f"(its batch); replica(s) {[r for r, n in enumerate(fed) if n < 0]} had none")
+                          f"(its batch); replica(s) {[r for r, n in enumerate(fed) if n < 0]} had none, or "
+                          "one that does not split into micro-batches")
     total, weight = sum(fed), sum(shares)
     wrong = [r for r, (n, s) in enumerate(zip(fed, shares, strict=True))
              if not math.isclose(n * weight, total * s, rel_tol=1e-9)]

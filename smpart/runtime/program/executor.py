@@ -43,7 +43,7 @@ from smpart.runtime.program.glue import (
     send_final_leaves,
 )
 from smpart.runtime.program.messages import ProgramAbort, Transfers
-from smpart.runtime.program.templates import UNPREDICTABLE, Diverged, call_key
+from smpart.runtime.program.templates import UNPREDICTABLE, Diverged, call_key, spec_from_state, spec_state
 from smpart.runtime.reference import calls
 from smpart.runtime.reference.calls import current_frame, running
 from smpart.runtime.reference.scheduler import Cancelled
@@ -203,14 +203,13 @@ class RankReport:
     error: BaseException | None = None
 
     def __getstate__(self) -> dict:
-        # An unpickled pytree spec warns (torch's deprecated LeafSpec check, on every rank and
-        # step): the specs travel in torch's own serialised form.
+        # The specs travel as plain tuples (`templates.spec_state` says why).
         state = dict(self.__dict__)
-        state["specs"] = {mb: _spec_as(pytree.treespec_dumps, entry) for mb, entry in self.specs.items()}
+        state["specs"] = {mb: _spec_as(spec_state, entry) for mb, entry in self.specs.items()}
         return state
 
     def __setstate__(self, state: dict) -> None:
-        state["specs"] = {mb: _spec_as(pytree.treespec_loads, entry) for mb, entry in state["specs"].items()}
+        state["specs"] = {mb: _spec_as(spec_from_state, entry) for mb, entry in state["specs"].items()}
         self.__dict__.update(state)
 
 
@@ -490,8 +489,6 @@ class RankRun:
 
 
 def _outline(value: Any) -> str:
-    import torch.utils._pytree as pytree
-
     shapes = [tuple(t.shape) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
     return f"tensors of shapes {shapes[:4]}{' ...' if len(shapes) > 4 else ''}"
 

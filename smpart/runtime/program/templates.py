@@ -141,11 +141,32 @@ class OutputTemplate:
         return hash(tuple(map(repr, self.leaves)))
 
     def __reduce__(self) -> tuple:
-        return (_rebuild, (pytree.treespec_dumps(self.spec), self.leaves))
+        return (_rebuild, (spec_state(self.spec), self.leaves))
 
 
-def _rebuild(spec: str, leaves: list[Any]) -> OutputTemplate:
-    return OutputTemplate(pytree.treespec_loads(spec), leaves)
+def _rebuild(spec: Any, leaves: list[Any]) -> OutputTemplate:
+    return OutputTemplate(spec_from_state(spec), leaves)
+
+
+_LEAF = pytree.treespec_leaf() if hasattr(pytree, "treespec_leaf") else pytree.LeafSpec()
+
+
+def spec_state(spec: pytree.TreeSpec) -> Any:
+    """A pytree spec as plain nested tuples ``(type, context, children)``, a leaf as None, for
+    pickling: torch's own serialised form (``treespec_dumps``) refuses a namedtuple that was not
+    registered by name and costs ~4x as much, and an unpickled spec object warns on every use
+    (torch's deprecated ``LeafSpec`` check). The node types travel by reference, as pickle does."""
+    if spec.is_leaf():
+        return None
+    children = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs
+    return (spec.type, spec.context, [spec_state(child) for child in children])
+
+
+def spec_from_state(state: Any) -> pytree.TreeSpec:
+    if state is None:
+        return _LEAF
+    kind, context, children = state
+    return pytree.TreeSpec(kind, context, [spec_from_state(child) for child in children])
 
 
 def _leaf_template(leaf: Any) -> Any:

@@ -201,12 +201,12 @@ class ProcessRuntime(Runtime):
         except BaseException as err:  # noqa: BLE001 - every rank hears of it, then it is raised here
             error = err
         result = StepResult(step, results, timeline, _shippable(error, self.rank))
-        for stage in range(1, self.num_stages):
-            try:
-                self.transport.send(self.rank, (self.place_of_stage(stage), MAIN), result)
-            except SmpartError:  # that rank is gone; the step's own error (if any) matters more
-                if error is None:
-                    raise
+        try:
+            self.transport.send_all(self.rank, [(self.place_of_stage(stage), MAIN)
+                                                 for stage in range(1, self.num_stages)], result)
+        except SmpartError:  # a rank is gone (the others heard); the step's own error matters more
+            if error is None:
+                raise
         self._end_step(error)
         return results, timeline
 

@@ -517,13 +517,15 @@ class ProcessProgramStep:
         scale = 1.0 / len(pieces) if runtime.config.average_grads_across_microbatches else 1.0
         programs = self.programs
         news = programs.sent_to_ranks != len(programs.templates) or self.decision.discover
-        new_program = self.program is not None and self.program is not programs.sent_program
+        key = self.decision.key
+        new_program = self.program is not None and programs.sent_programs.get(key) is not self.program
+        inputs = input_templates(pieces)
         reports_at = (runtime.rank, ("program-reports", step))
         begin = BeginProgram(
             step,
-            self.decision.key,
+            key,
             self.decision.discover,
-            input_templates(pieces),
+            inputs if inputs != programs.sent_inputs else None,
             dict(programs.templates) if news else None,
             self.program if new_program else None,
             scale,
@@ -532,13 +534,14 @@ class ProcessProgramStep:
             runtime.training_modes(),
         )
         programs.sent_to_ranks = len(programs.templates)
+        programs.sent_inputs = inputs
         if self.program is not None:
-            programs.sent_program = self.program
+            programs.sent_programs[key] = self.program
         runtime.transport.open(reports_at)
         start = time.time()
         try:
-            for stage in range(1, self.size):
-                runtime.transport.send(runtime.rank, (runtime.place_of_stage(stage), MAIN), begin)
+            runtime.transport.send_all(runtime.rank, [(runtime.place_of_stage(stage), MAIN)
+                                                      for stage in range(1, self.size)], begin)
             first_rank = 1 << 0
 
             def real_inputs(mb: int, run: Any) -> tuple[tuple, dict]:
@@ -691,6 +694,9 @@ def follow(runtime: Any, begin: Any, fn: Callable, model: Any, pieces: list[tupl
             programs.programs[begin.key] = begin.program
         program = programs.last = programs.programs.get(begin.key)
     decision = Decision(begin.key, "", discover=begin.discover, program=program)
+    if begin.inputs is None:  # the same as the last step's (`ProcessProgramStep.lead`)
+        begin.inputs = programs.inputs
+    programs.inputs = begin.inputs
     if len(pieces) != len(begin.inputs):
         raise SmpartError(f"rank {runtime.rank} split its step's arguments into {len(pieces)} micro-batches, "
                           f"the first stage's rank into {len(begin.inputs)}: every rank calls the step alike")

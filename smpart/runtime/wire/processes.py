@@ -276,8 +276,33 @@ class ProcessTransport:
             self._deliver(message)
             return
         self._check_peer(place)
+        self._send_packed(place, self._pack(message, place))
+
+    def send_all(self, places: list[int], message: Any) -> None:
+        """`send` ``message`` to each of ``places``, pickled once (per inline budget): what a rank
+        tells every other rank of its pipeline at a step's start and end. A place that cannot be
+        reached does not keep the message from the others; the first such error is raised after."""
+        self._check_open()
+        packed: dict[int, wire.Packed] = {}
+        failed: SmpartError | None = None
+        for place in places:
+            if place == self.rank:
+                self._deliver(message)
+                continue
+            try:
+                self._check_peer(place)
+                budget = self._inline_budget(place)
+                if budget not in packed:
+                    packed[budget] = self._pack(message, place)
+                self._send_packed(place, packed[budget])
+            except SmpartError as err:
+                failed = failed or err
+        if failed is not None:
+            raise failed
+
+    def _pack(self, message: Any, place: int) -> wire.Packed:
         try:
-            packed = wire.pack(message, self._inline_budget(place))
+            return wire.pack(message, self._inline_budget(place))
         except SmpartError:
             raise
         except Exception as err:
@@ -285,6 +310,8 @@ class ProcessTransport:
                 f"cannot send a {type(message).__name__} to rank {place}: it does not pickle ({err}). "
                 "Messages between processes must be picklable: plain data, dataclasses, tensors"
             ) from err
+
+    def _send_packed(self, place: int, packed: wire.Packed) -> None:
         with self._post_lock:
             self._check_open()
             self._check_peer(place)

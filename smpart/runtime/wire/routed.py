@@ -64,6 +64,15 @@ class RoutedTransport(Transport):
         else:
             self.inner.send(place, (endpoint, message))
 
+    def send_all(self, src: int, addresses: list[Address], message: Any) -> None:
+        by_endpoint: dict[Any, list[int]] = {}
+        for place, endpoint in addresses:
+            by_endpoint.setdefault(endpoint, []).append(place)
+        for endpoint, places in by_endpoint.items():
+            if self.rank in places:
+                self._deliver(endpoint, message)
+            self.inner.send_all([place for place in places if place != self.rank], (endpoint, message))
+
     def receive(self, address: Address, timeout: float) -> Any | None:
         inbox = self._queues.get(address[1])
         if inbox is None:

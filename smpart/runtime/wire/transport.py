@@ -101,6 +101,11 @@ class Transport(ABC):
     def send(self, src: int, address: Address, message: Any) -> None:
         """Deliver ``message`` from place ``src`` to ``address`` (dropped if it is closed)."""
 
+    def send_all(self, src: int, addresses: list[Address], message: Any) -> None:
+        """`send` one ``message`` to each of ``addresses`` (between processes it is pickled once)."""
+        for address in addresses:
+            self.send(src, address, message)
+
     @abstractmethod
     def receive(self, address: Address, timeout: float) -> Any | None:
         """The next message for local ``address``, or None after ``timeout`` seconds."""

@@ -395,6 +395,41 @@ def test_namedtuples_in_the_batch_a_module_output_and_the_result_cross_processes
         assert worst <= TOL, worst
 
 
+def _two_lengths(rank):
+    """GPT-2 (zoo) on 2 stages, fed sequences of 8 and 6 tokens in turn (dynamic padding): which
+    runtime ran each step, and the worst difference of the losses and the final state from the
+    unsplit model's."""
+    torch.manual_seed(0)
+    example = ZOO["gpt2"](dtype=torch.float64)
+    reference = copy.deepcopy(example.model)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60)
+    model = smpart.DistributedModel(example.model)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    runtimes, worst = [], 0.0
+    for step, length in enumerate([8, 6, 8, 6, 8, 6]):
+        (tokens,), kwargs, target = example.batch(4, seed=step)
+        args, target = (tokens[:, :length],), target[:, :length]
+        out = train_step(model, example, args, kwargs, target)
+        expected = reference_step(reference, example, args, kwargs, target, 2)
+        worst = max(worst, (out.stack() - expected).abs().max().item())
+        runtimes.append(out.timeline.runtime)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return runtimes, max(worst, _state_difference(model, reference))
+
+
+@pytest.mark.timeout(200)
+def test_batches_of_two_sequence_lengths_in_turn_each_run_their_own_program():
+    """Each length records its program once and keeps it; the first rank sends the other the
+    inputs of a length once, and a later step of that length reuses them."""
+    for runtimes, worst in values(run_ranks(_two_lengths, 2, timeout_s=190)):
+        assert runtimes[2:] == ["program"] * 4, runtimes
+        assert worst <= TOL, worst
+
+
 def _llama():
     import transformers
 

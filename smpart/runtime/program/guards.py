@@ -95,13 +95,13 @@ class ModelPrograms:
         self.total_divergences = 0
         self.disabled: str | None = None
         self.mutable_buffers: set[str] | None = None
-        #: Under torchrun, on the first stage's rank: how many templates the other ranks have, the
-        #: program sent to them for each key, and the input templates they hold (`BeginProgram`).
+        #: Under torchrun, on the first stage's rank: how many templates the other ranks have, and
+        #: for each key the program and the input templates sent to them (`BeginProgram`).
         self.sent_to_ranks = 0
         self.sent_programs: dict[Any, Any] = {}
-        self.sent_inputs: list | None = None
-        #: On the other ranks: the input templates last received.
-        self.inputs: list | None = None
+        self.sent_inputs: dict[Any, list] = {}
+        #: On the other ranks: for each key, the input templates last received.
+        self.inputs: dict[Any, list] = {}
         #: The program built or run last (`smpart.program_of`).
         self.last: Any = None
 

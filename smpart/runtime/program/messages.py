@@ -31,7 +31,7 @@ class BeginProgram:
     """Run step ``step`` as the program of ``key`` (``discover``: in the discovery order, recording
     it). ``inputs``: each micro-batch's inputs as the first rank sees them (a template: the other
     ranks hold placeholders for its tensors); ``inputs``, ``templates``, ``program``: sent when
-    new (None: what the rank received last, for ``program`` the one of ``key``)."""
+    new (None: what the rank received last, for ``key`` where ``inputs`` and ``program``)."""
 
     step: int
     key: Any

@@ -525,7 +525,7 @@ class ProcessProgramStep:
             step,
             key,
             self.decision.discover,
-            inputs if inputs != programs.sent_inputs else None,
+            inputs if inputs != programs.sent_inputs.get(key) else None,
             dict(programs.templates) if news else None,
             self.program if new_program else None,
             scale,
@@ -534,7 +534,7 @@ class ProcessProgramStep:
             runtime.training_modes(),
         )
         programs.sent_to_ranks = len(programs.templates)
-        programs.sent_inputs = inputs
+        programs.sent_inputs[key] = inputs
         if self.program is not None:
             programs.sent_programs[key] = self.program
         runtime.transport.open(reports_at)
@@ -694,9 +694,12 @@ def follow(runtime: Any, begin: Any, fn: Callable, model: Any, pieces: list[tupl
             programs.programs[begin.key] = begin.program
         program = programs.last = programs.programs.get(begin.key)
     decision = Decision(begin.key, "", discover=begin.discover, program=program)
-    if begin.inputs is None:  # the same as the last step's (`ProcessProgramStep.lead`)
-        begin.inputs = programs.inputs
-    programs.inputs = begin.inputs
+    if begin.inputs is None:  # as in the last step of this key (`ProcessProgramStep.lead`)
+        begin.inputs = programs.inputs.get(begin.key)
+        if begin.inputs is None:
+            raise SmpartError(f"rank {runtime.rank} was told to reuse the inputs of a step program it never "
+                              "ran: every rank must place the same models and call their steps alike")
+    programs.inputs[begin.key] = begin.inputs
     if len(pieces) != len(begin.inputs):
         raise SmpartError(f"rank {runtime.rank} split its step's arguments into {len(pieces)} micro-batches, "
                           f"the first stage's rank into {len(begin.inputs)}: every rank calls the step alike")

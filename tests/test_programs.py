@@ -286,6 +286,44 @@ def test_each_input_shape_gets_its_own_program_and_keeps_it():
     assert timelines[4].program is not timelines[5].program
 
 
+@smpart.step
+def scaled(model, x, y, scale, index):
+    loss = F.cross_entropy(model(x), y) * scale
+    if index == 3:  # once, another path: another sequence of calls
+        loss = loss + 0.0 * model(x).sum()
+    model.backward(loss)
+    return loss
+
+
+def scaled_reference(model, x, y, scale, index, microbatches):
+    losses = []
+    for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+        loss = F.cross_entropy(model(xs), ys) * scale
+        if index == 3:
+            loss = loss + 0.0 * model(xs).sum()
+        (loss / microbatches).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+@pytest.mark.timeout(120)
+def test_numbers_the_step_takes_may_change_every_step_inside_its_program():
+    """A loss scale and the step's index change every step: one program runs them all; the step
+    whose index takes another path (another sequence of calls) runs on the reference runtime."""
+    _, timelines = train_both(
+        Chain(),
+        6,
+        2,
+        step_fn=scaled,
+        make_batch=lambda step: (*batch(step), 1.0 + 0.25 * step, step),
+        ref_step=scaled_reference,
+        pipeline_parallel_degree=2,
+        pin=chain_pins(2),
+    )
+    assert runtimes(timelines) == ["reference", "program", "program", "reference", "program", "program"]
+    assert "diverged" in timelines[3].reason
+
+
 class Switch(nn.Module):
     """The root's own code decides which stage's module runs, by a plain attribute: a program
     recorded one way cannot run the other."""

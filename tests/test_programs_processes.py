@@ -430,6 +430,62 @@ def test_batches_of_two_sequence_lengths_in_turn_each_run_their_own_program():
         assert worst <= TOL, worst
 
 
+class _Tempered(torch.nn.Module):
+    """Logits divided by a temperature in the root's own code, where the head's output is: on the
+    second rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x, temperature):
+        return self.head(torch.tanh(self.body(x))) / temperature
+
+
+def _changing_temperature(rank):
+    """2 stages, a temperature that changes every step, used by the glue on the second rank: that
+    rank must use the first rank's value of the step (`BeginProgram`)."""
+    torch.manual_seed(0)
+    model = _Tempered().double()
+    reference = copy.deepcopy(model)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60, pin={"": 0, "body": 0, "head": 1})
+    dm = smpart.DistributedModel(model)
+    opt = smpart.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    @smpart.step
+    def step(model, x, y, temperature):
+        loss = torch.nn.functional.cross_entropy(model(x, temperature), y)
+        model.backward(loss)
+        return loss
+
+    runtimes, worst = [], 0.0
+    for i in range(5):
+        x, y = torch.randn(4, 8, dtype=torch.float64), torch.randint(4, (4,))
+        temperature = 1.0 + 0.5 * i
+        out = step(dm, x, y, temperature)
+        losses = []
+        for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
+            loss = torch.nn.functional.cross_entropy(reference(xs, temperature), ys)
+            (loss / 2).backward()
+            losses.append(loss.detach())
+        worst = max(worst, (out.stack() - torch.stack(losses)).abs().max().item())
+        runtimes.append(out.timeline.runtime)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    return runtimes, max(worst, _state_difference(dm, reference))
+
+
+@pytest.mark.timeout(200)
+def test_a_number_that_changes_every_step_keeps_the_program_and_every_rank_uses_its_value():
+    for runtimes, worst in values(run_ranks(_changing_temperature, 2, timeout_s=190)):
+        assert runtimes == ["reference", "program", "program", "program", "program"], runtimes
+        assert worst <= TOL, worst
+
+
 def _llama():
     import transformers
 

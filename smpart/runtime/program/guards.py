@@ -1,8 +1,11 @@
 """When a step runs its program, and what sends it back to the reference runtime.
 
 A model's programs are kept per *key*: the step function, the micro-batch count and schedule,
-each micro-batch's inputs (structure, shapes, dtypes, plain values), the caller's grad mode and
-autocast, and every module's train/eval flag. A key's life:
+each micro-batch's inputs (structure, shapes, dtypes, plain values but numbers), the caller's
+grad mode and autocast, and every module's train/eval flag. A number the step takes (a loss scale,
+the step's index) may change inside a program: every rank has it (under ``torchrun`` the first
+rank's, `BeginProgram`), and what it changes beyond the glue's own arithmetic is checked as any
+other difference (another sequence of calls, a call with another signature). A key's life:
 
 1. unseen: the step runs on the reference runtime, which records the templates of its calls
    (`templates.Recorder`);
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from smpart.runtime.model import DistributedModel
@@ -40,6 +44,9 @@ MODEL_DIVERGENCES = 4
 #: At most this many keys get a program (a step whose plain arguments change every step would
 #: otherwise record every step).
 MAX_KEYS = 16
+
+#: The step's numbers enter its key by type only (`step_key`).
+_NUMBER_KINDS = {int: "<int>", float: "<float>"}
 
 
 @dataclass
@@ -126,7 +133,7 @@ class ModelPrograms:
         if len(self.recorded) >= MAX_KEYS:
             return Decision(
                 key,
-                f"{MAX_KEYS} kinds of step (input shapes, plain arguments) have programs "
+                f"{MAX_KEYS} kinds of step (input shapes, plain arguments but numbers) have programs "
                 "already; this one runs on the reference runtime",
             )
         return Decision(
@@ -195,12 +202,13 @@ def step_key(fn: Any, pieces: list[tuple[tuple, dict]], config: Any, ambient: An
     """What a program depends on, as a hashable key."""
     def inputs(piece: tuple) -> tuple:
         args, kwargs = piece
-        return signature(
+        return signature(pytree.tree_map(
+            _as_key_leaf,
             (
                 [None if isinstance(a, DistributedModel | nn.Module) else a for a in args],
                 {k: None if isinstance(v, DistributedModel | nn.Module) else v for k, v in kwargs.items()},
-            )
-        )
+            ),
+        ))
 
     programs = getattr(model, "_programs", None)
     modules = programs.modules if programs is not None else list(model.module.modules())
@@ -215,6 +223,12 @@ def step_key(fn: Any, pieces: list[tuple[tuple, dict]], config: Any, ambient: An
         ambient,
         modes,
     )
+
+
+def _as_key_leaf(leaf: Any) -> Any:
+    """A number by its type (a bool is no number here: it tends to choose a path, which keeps its
+    own program); anything else as it is."""
+    return _NUMBER_KINDS.get(type(leaf), leaf)
 
 
 class Snapshot:

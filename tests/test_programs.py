@@ -324,6 +324,43 @@ def test_numbers_the_step_takes_may_change_every_step_inside_its_program():
     assert "diverged" in timelines[3].reason
 
 
+@smpart.step
+def tasks(model, batch, task):
+    loss = F.cross_entropy(model(batch["x"]), batch["y"]) * (2.0 if task == "double" else 1.0)
+    model.backward(loss)
+    return loss
+
+
+def tasks_reference(model, batch, task, microbatches):
+    scale = 2.0 if task == "double" else 1.0
+    return scaled_reference(model, batch["x"], batch["y"], scale, 0, microbatches)
+
+
+@pytest.mark.timeout(120)
+def test_sample_ids_in_the_batch_keep_the_program_and_a_task_name_gets_its_own():
+    """Strings in a list (sample ids, new every step) are data; a string on its own chooses: two
+    tasks in turn record a program each and keep them."""
+
+    def make_batch(step):
+        x, y = batch(step)
+        ids = [f"sample-{8 * step + i}" for i in range(8)]
+        return {"x": x, "y": y, "ids": ids}, ("single", "double")[step % 2]
+
+    _, timelines = train_both(
+        Chain(),
+        8,
+        2,
+        step_fn=tasks,
+        make_batch=make_batch,
+        ref_step=tasks_reference,
+        pipeline_parallel_degree=2,
+        pin=chain_pins(2),
+    )
+    assert runtimes(timelines) == ["reference", "reference"] + ["program"] * 6
+    assert timelines[6].program is timelines[4].program and timelines[7].program is timelines[5].program
+    assert timelines[4].program is not timelines[5].program
+
+
 class Switch(nn.Module):
     """The root's own code decides which stage's module runs, by a plain attribute: a program
     recorded one way cannot run the other."""

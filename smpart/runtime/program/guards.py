@@ -1,11 +1,12 @@
 """When a step runs its program, and what sends it back to the reference runtime.
 
 A model's programs are kept per *key*: the step function, the micro-batch count and schedule,
-each micro-batch's inputs (structure, shapes, dtypes, plain values but numbers), the caller's
-grad mode and autocast, and every module's train/eval flag. A number the step takes (a loss scale,
-the step's index) may change inside a program: every rank has it (under ``torchrun`` the first
-rank's, `BeginProgram`), and what it changes beyond the glue's own arithmetic is checked as any
-other difference (another sequence of calls, a call with another signature). A key's life:
+each micro-batch's inputs (structure, shapes, dtypes, plain values but numbers and listed
+strings), the caller's grad mode and autocast, and every module's train/eval flag. A number the
+step takes (a loss scale, the step's index) or a string in a list (sample ids) may change inside a
+program: every rank has it (under ``torchrun`` the first rank's, `BeginProgram`), and what it
+changes beyond the glue's own arithmetic is checked as any other difference (another sequence of
+calls, a call with another signature). A key's life:
 
 1. unseen: the step runs on the reference runtime, which records the templates of its calls
    (`templates.Recorder`);
@@ -45,7 +46,7 @@ MODEL_DIVERGENCES = 4
 #: otherwise record every step).
 MAX_KEYS = 16
 
-#: The step's numbers enter its key by type only (`step_key`).
+#: The step's numbers enter its key by type only (`step_key`, `_as_keyed`).
 _NUMBER_KINDS = {int: "<int>", float: "<float>"}
 
 
@@ -202,13 +203,7 @@ def step_key(fn: Any, pieces: list[tuple[tuple, dict]], config: Any, ambient: An
     """What a program depends on, as a hashable key."""
     def inputs(piece: tuple) -> tuple:
         args, kwargs = piece
-        return signature(pytree.tree_map(
-            _as_key_leaf,
-            (
-                [None if isinstance(a, DistributedModel | nn.Module) else a for a in args],
-                {k: None if isinstance(v, DistributedModel | nn.Module) else v for k, v in kwargs.items()},
-            ),
-        ))
+        return signature(([_as_keyed(a) for a in args], {k: _as_keyed(v) for k, v in kwargs.items()}))
 
     programs = getattr(model, "_programs", None)
     modules = programs.modules if programs is not None else list(model.module.modules())
@@ -225,10 +220,25 @@ def step_key(fn: Any, pieces: list[tuple[tuple, dict]], config: Any, ambient: An
     )
 
 
-def _as_key_leaf(leaf: Any) -> Any:
-    """A number by its type (a bool is no number here: it tends to choose a path, which keeps its
-    own program); anything else as it is."""
-    return _NUMBER_KINDS.get(type(leaf), leaf)
+def _as_keyed(value: Any, listed: bool = False) -> Any:
+    """A step argument as its key sees it: the model as nothing; a number by its type, and a
+    string in a list or tuple (sample ids, file names) too; a string on its own, a bool, by value:
+    they tend to choose a path, which keeps a program of its own."""
+    kind = type(value)
+    if isinstance(value, DistributedModel | nn.Module):
+        return None
+    if kind in _NUMBER_KINDS:
+        return _NUMBER_KINDS[kind]
+    if kind is str:
+        return "<str>" if listed else value
+    if kind is list or kind is tuple:
+        return kind(_as_keyed(v, True) for v in value)
+    if kind is dict:
+        return {k: _as_keyed(v, listed) for k, v in value.items()}
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    # a namedtuple, a registered container: its numbers by type
+    return pytree.tree_map(lambda leaf: _NUMBER_KINDS.get(type(leaf), leaf), value)
 
 
 class Snapshot:

@@ -134,7 +134,7 @@ class ModelPrograms:
         if len(self.recorded) >= MAX_KEYS:
             return Decision(
                 key,
-                f"{MAX_KEYS} kinds of step (input shapes, plain arguments but numbers) have programs "
+                f"{MAX_KEYS} kinds of step (input shapes, strings and bools the step takes) have programs "
                 "already; this one runs on the reference runtime",
             )
         return Decision(

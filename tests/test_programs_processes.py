@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import os
 import time
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 import smpart
 from examples.models import ZOO
@@ -347,43 +349,59 @@ class _NamedTuples(torch.nn.Module):
         return self.head(hidden.h * hidden.gate)
 
 
-def _namedtuples(rank):
-    """2 stages, a batch that is a namedtuple and a step that returns one, 4 steps, against the
-    unsplit model."""
-    torch.manual_seed(0)
-    model = _NamedTuples().double()
+def _two_stages_against_unsplit(model, pins, steps, batch_of, step, loss_of, expect=lambda losses: [losses]):
+    """``model`` on 2 stages of 2 micro-batches, SGD, against an unsplit copy fed the same micro-batches:
+    step ``i`` is ``step(dm, *batch_of(i))``, ``loss_of(copy, *micro_batch)`` a micro-batch's loss on the
+    copy, and the step's outputs (one, or a tuple) equal ``expect(losses)``. Each step's runtime, and
+    the worst difference of the outputs and of the final state."""
     reference = copy.deepcopy(model)
-    pins = {"": 0, "encoder": 0, "head": 1}
     smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60, pin=pins)
     dm = smpart.DistributedModel(model)
     opt = smpart.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.1))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-
-    @smpart.step
-    def step(model, batch):
-        loss = torch.nn.functional.cross_entropy(model(batch.x), batch.y)
-        model.backward(loss)
-        return Batch(loss, loss.detach() * 2)
-
     runtimes, worst = [], 0.0
-    for i in range(4):
-        g = torch.Generator().manual_seed(i)
-        x = torch.randn(4, 8, generator=g, dtype=torch.float64)
-        batch = Batch(x, torch.randint(4, (4,), generator=g))
-        out, doubled = step(dm, batch)  # a tuple (a namedtuple too): a StepOutput per field
-        runtimes.append(out.timeline.runtime)
+    for i in range(steps):
+        args = batch_of(i)
+        outputs = step(dm, *args)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         losses = []
-        for xs, ys in zip(batch.x.chunk(2), batch.y.chunk(2), strict=True):
-            loss = torch.nn.functional.cross_entropy(reference(xs), ys)
+        for j in range(2):
+            loss = loss_of(reference, *pytree.tree_map(functools.partial(_micro_batch, j=j), args))
             (loss / 2).backward()
             losses.append(loss.detach())
-        worst = max(worst, (out.stack() - torch.stack(losses)).abs().max().item(),
-                    (doubled.stack() - 2 * torch.stack(losses)).abs().max().item())
+        for out, expected in zip(outputs, expect(torch.stack(losses)), strict=True):
+            worst = max(worst, (out.stack() - expected).abs().max().item())
+        runtimes.append(outputs[0].timeline.runtime)
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
     return runtimes, max(worst, _state_difference(dm, reference))
+
+
+def _micro_batch(value, j):
+    return value.chunk(2)[j] if isinstance(value, torch.Tensor) else value
+
+
+def _namedtuples(rank):
+    """2 stages, a batch that is a namedtuple and a step that returns one, 4 steps, against the
+    unsplit model."""
+    from tests.test_programs import batch
+
+    @smpart.step
+    def step(model, batch):
+        loss = torch.nn.functional.cross_entropy(model(batch.x), batch.y)
+        model.backward(loss)
+        return Batch(loss, loss.detach() * 2)  # a tuple (a namedtuple too): a StepOutput per field
+
+    def batch_of(i):
+        return (Batch(*batch(i, size=4)),)
+
+    torch.manual_seed(0)
+    return _two_stages_against_unsplit(
+        _NamedTuples().double(), {"": 0, "encoder": 0, "head": 1}, 4, batch_of, step,
+        lambda model, batch: torch.nn.functional.cross_entropy(model(batch.x), batch.y),
+        expect=lambda losses: [losses, 2 * losses])
 
 
 @pytest.mark.timeout(200)
@@ -446,13 +464,7 @@ class _Tempered(torch.nn.Module):
 def _changing_temperature(rank):
     """2 stages, a temperature that changes every step, used by the glue on the second rank: that
     rank must use the first rank's value of the step (`BeginProgram`)."""
-    torch.manual_seed(0)
-    model = _Tempered().double()
-    reference = copy.deepcopy(model)
-    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60, pin={"": 0, "body": 0, "head": 1})
-    dm = smpart.DistributedModel(model)
-    opt = smpart.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.1))
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    from tests.test_programs import batch
 
     @smpart.step
     def step(model, x, y, temperature):
@@ -460,23 +472,13 @@ def _changing_temperature(rank):
         model.backward(loss)
         return loss
 
-    runtimes, worst = [], 0.0
-    for i in range(5):
-        x, y = torch.randn(4, 8, dtype=torch.float64), torch.randint(4, (4,))
-        temperature = 1.0 + 0.5 * i
-        out = step(dm, x, y, temperature)
-        losses = []
-        for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
-            loss = torch.nn.functional.cross_entropy(reference(xs, temperature), ys)
-            (loss / 2).backward()
-            losses.append(loss.detach())
-        worst = max(worst, (out.stack() - torch.stack(losses)).abs().max().item())
-        runtimes.append(out.timeline.runtime)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    return runtimes, max(worst, _state_difference(dm, reference))
+    def batch_of(i):
+        return (*batch(i, size=4), 1.0 + 0.5 * i)
+
+    torch.manual_seed(0)
+    return _two_stages_against_unsplit(
+        _Tempered().double(), {"": 0, "body": 0, "head": 1}, 5, batch_of, step,
+        lambda model, x, y, temperature: torch.nn.functional.cross_entropy(model(x, temperature), y))
 
 
 @pytest.mark.timeout(200)

@@ -93,6 +93,11 @@ class Config:
     #: each kind, and any step its program cannot run, runs on the reference runtime. Only speed
     #: changes. ``SMPART_PROGRAMS=0`` sets the default.
     step_programs: bool = field(default_factory=lambda: os.environ.get("SMPART_PROGRAMS", "1") != "0")
+    #: Under ``torchrun`` on gloo, from a program's third run on, its tensors travel as their bytes
+    #: alone, into receives posted ahead (`smpart.runtime.program.routes`), where its second run's
+    #: transfers were alike on both ends of every pair. Only speed changes. ``SMPART_DIRECT=0``
+    #: sets the default.
+    direct_transfers: bool = field(default_factory=lambda: os.environ.get("SMPART_DIRECT", "1") != "0")
     #: On threads, where a step program runs its stages: "per-stage" threads (their work outside
     #: the GIL, CUDA launches, the backward, CPU compute, runs side by side), or "one" thread, the
     #: caller's, switching where a stage waits for a transfer (less CPU where the stages' host work
@@ -155,7 +160,7 @@ class Config:
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ConfigError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
                               f"got {self.placement_strategy!r}")
-        for switch in ("output_handles", "gradient_holding", "step_programs"):
+        for switch in ("output_handles", "gradient_holding", "step_programs", "direct_transfers"):
             if not isinstance(getattr(self, switch), bool):
                 raise ConfigError(f"{switch} must be True or False, got {getattr(self, switch)!r}")
         if self.backend not in BACKENDS:

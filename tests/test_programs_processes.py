@@ -349,18 +349,22 @@ class _NamedTuples(torch.nn.Module):
         return self.head(hidden.h * hidden.gate)
 
 
-def _two_stages_against_unsplit(model, pins, steps, batch_of, step, loss_of, expect=lambda losses: [losses]):
+def _two_stages_against_unsplit(model, pins, steps, batch_of, step, loss_of, expect=lambda losses: [losses],
+                                seen=lambda timeline: timeline.runtime, before=lambda i, models: None,
+                                **config):
     """``model`` on 2 stages of 2 micro-batches, SGD, against an unsplit copy fed the same micro-batches:
     step ``i`` is ``step(dm, *batch_of(i))``, ``loss_of(copy, *micro_batch)`` a micro-batch's loss on the
-    copy, and the step's outputs (one, or a tuple) equal ``expect(losses)``. Each step's runtime, and
-    the worst difference of the outputs and of the final state."""
+    copy, and the step's outputs (one, or a tuple) equal ``expect(losses)``; ``before(i, (model, copy))``
+    runs before step ``i``. What ``seen`` reads from each step's timeline (its runtime), and the worst
+    difference of the outputs and of the final state."""
     reference = copy.deepcopy(model)
-    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60, pin=pins)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60, pin=pins, **config)
     dm = smpart.DistributedModel(model)
     opt = smpart.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.1))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     runtimes, worst = [], 0.0
     for i in range(steps):
+        before(i, (model, reference))
         args = batch_of(i)
         outputs = step(dm, *args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -371,7 +375,7 @@ def _two_stages_against_unsplit(model, pins, steps, batch_of, step, loss_of, exp
             losses.append(loss.detach())
         for out, expected in zip(outputs, expect(torch.stack(losses)), strict=True):
             worst = max(worst, (out.stack() - expected).abs().max().item())
-        runtimes.append(outputs[0].timeline.runtime)
+        runtimes.append(seen(outputs[0].timeline))
         opt.step()
         ref_opt.step()
         opt.zero_grad()

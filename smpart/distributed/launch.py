@@ -102,6 +102,9 @@ class Setup:
     #: Under NCCL, one NCCL group per ordered pair of ranks that exchange pipeline messages and
     #: include this rank: the transport's tensors travel on them (its headers on gloo). Else None.
     data_groups: dict[tuple[int, int], Any] | None = None
+    #: Under gloo, a group of every rank for a replayed step program's tensors alone
+    #: (`smpart.runtime.wire.direct`); None under NCCL.
+    direct_group: Any = None
 
 
 def layout_for(config: Config, world_size: int) -> Layout:
@@ -167,9 +170,10 @@ def setup(config: Config) -> Setup:
     groups = {name: mesh.get_group(name) if size > 1 else None
               for name, size in (("pp", layout.pp), ("dp", layout.dp), ("tp", layout.tp))}
     data_groups = pair_groups(message_pairs(layout), "nccl") if nccl else None
+    direct_group = None if nccl else dist.new_group(backend="gloo")
     return Setup(rank, world, local_rank, layout, device, dist.get_backend(), transport_group, created,
                  collective_group, groups["dp"], groups["pp"], groups["tp"], mesh,
-                 _dp_control_group(layout, rank), data_groups)
+                 _dp_control_group(layout, rank), data_groups, direct_group)
 
 
 def message_pairs(layout: Layout) -> list[tuple[int, int]]:
@@ -237,7 +241,7 @@ def release_groups(setup: Setup) -> None:
     A group nobody destroys stays in torch's registry for the life of the process, and with it
     its threads (gloo: two workers and a socket loop that wakes every 10 ms); each ``init`` on 2
     ranks left 12 threads behind before this."""
-    made = [setup.transport_group, setup.collective_group, setup.dp_control_group,
+    made = [setup.transport_group, setup.collective_group, setup.dp_control_group, setup.direct_group,
             *(setup.data_groups or {}).values()]
     skip = (None, dist.GroupMember.NON_GROUP_MEMBER, dist.group.WORLD)
     for group in {id(g): g for g in made if not any(g is s for s in skip)}.values():
@@ -246,6 +250,7 @@ def release_groups(setup: Setup) -> None:
     # Its threads end when the group object is freed; the runtime's objects refer to each other,
     # so without this the group would wait for the cycle collector.
     setup.transport_group = setup.collective_group = setup.dp_control_group = setup.data_groups = None
+    setup.direct_group = None
 
 
 def teardown() -> None:

@@ -35,6 +35,9 @@ class Timeline:
     reason: str = ""
     #: The step program that ran (`smpart.runtime.program.actions.Program`), if one did.
     program: Any = None
+    #: Under ``torchrun``, how a program step's tensors travelled between ranks: ``"framed"``
+    #: (the process transport's messages) or ``"direct"`` (`smpart.runtime.program.routes`).
+    transfers: str = ""
 
     @classmethod
     def from_spans(cls, spans_by_stage: dict[int, list[tuple[int, str, float, float]]], origin: float,
@@ -71,6 +74,7 @@ class Timeline:
             "bytes_sent": [[src, dst, n] for (src, dst), n in sorted(self.bytes_sent.items())],
             "runtime": self.runtime,
             "reason": self.reason,
+            "transfers": self.transfers,
         }
 
     @classmethod

@@ -65,6 +65,7 @@ from smpart.runtime.reference.stage import StageServer
 from smpart.runtime.reference.step_run import StepRun
 from smpart.runtime.reference.workers import POLL_S
 from smpart.runtime.runtime import Runtime, partition_for
+from smpart.runtime.wire.direct import DirectChannel
 from smpart.runtime.wire.messages import (
     MAIN,
     Address,
@@ -112,6 +113,10 @@ class ProcessRuntime(Runtime):
                                              peers=peers, deliver=deliver),
             self.rank)
         self.transport.open((self.rank, PROGRAM))  # a program step's transfers to this rank
+        #: A replayed program step's tensors, unframed (`smpart.runtime.program.routes`); None under NCCL.
+        direct_group = self.setup.direct_group
+        self.direct = (DirectChannel(direct_group, self.rank, config.timeout_s, self.transport.inner)
+                       if direct_group is not None else None)
         self.server = StageServer(self.stage, self.num_stages, self.rank, self.setup.device, self.transport,
                                   self.place_of_stage, rank=self.rank,
                                   tp_followers=shards[1:] if self.tp_rank == 0 else [],
@@ -596,6 +601,8 @@ class ProcessRuntime(Runtime):
             model._runtime = None
         stuck = self.server.stop(timeout_s)
         self.transport.shutdown()
+        if self.direct is not None:
+            self.direct.close()
         self.state_group = None
         release_groups(self.setup)
         return stuck

@@ -502,7 +502,8 @@ def discovery_actions(microbatches: int) -> list[Action]:
 
 class ProcessWire:
     """Transfers between ranks under ``torchrun``: one message per destination and event, on the
-    process transport, into the receiver's program inbox."""
+    process transport, into the receiver's program inbox. ``me``: this rank's pipeline rank;
+    ``notes`` (a `routes.Notes`, or None) notes what crossed, for the next run to go direct."""
 
     def __init__(
         self,
@@ -513,6 +514,8 @@ class ProcessWire:
         timeout_s: float,
         inbox: Any,
         endpoint: Any,
+        me: int = -1,
+        notes: Any = None,
     ) -> None:
         self.transport = transport
         self.rank = rank
@@ -521,13 +524,17 @@ class ProcessWire:
         self.timeout_s = timeout_s
         self.inbox = inbox
         self.endpoint = endpoint
+        self.me = me
+        self.notes = notes
         self.got: dict[tuple, tuple] = {}
         self.messages: dict[int, int] = {}
         self.sent_bytes: dict[int, int] = {}
 
     def send(self, to: int, items: list[tuple]) -> None:
         place = self.place_of(to)
-        self.transport.send(self.rank, (place, self.endpoint), Transfers(self.step, items))
+        if self.notes is not None:
+            self.notes.sent(to, items)
+        self.transport.send(self.rank, (place, self.endpoint), Transfers(self.step, items, self.me))
         self.messages[to] = self.messages.get(to, 0) + 1
         size = sum(t.numel() * t.element_size() for _, t, _ in items if t is not None)
         self.sent_bytes[to] = self.sent_bytes.get(to, 0) + size
@@ -549,6 +556,8 @@ class ProcessWire:
             if isinstance(message, Transfers):
                 if message.step != self.step:
                     continue
+                if self.notes is not None:
+                    self.notes.arrived(message.src, message.items)
                 for item_key, tensor, needs in message.items:
                     self.got[item_key] = (tensor, needs)
             elif isinstance(message, ProgramAbort) and message.step == self.step:
@@ -557,6 +566,10 @@ class ProcessWire:
 
     def fail(self, why: Aborted) -> None:
         pass
+
+    def settle(self, error: BaseException | None) -> None:
+        """After this rank's part of the step: nothing left in flight (framed sends complete on
+        the transport's thread)."""
 
 
 def drain(inbox: Callable[[float], Any]) -> None:

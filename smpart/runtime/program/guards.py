@@ -110,6 +110,10 @@ class ModelPrograms:
         self.sent_inputs: dict[Any, list] = {}
         #: On the other ranks: for each key, the input templates last received.
         self.inputs: dict[Any, list] = {}
+        #: Under torchrun, each rank's routes, noted in a key's last framed run (`routes`); on the
+        #: first stage's rank, the keys whose last run's routes agreed on every rank: direct next.
+        self.routes: dict[Any, Any] = {}
+        self.direct: set[Any] = set()
         #: The program built or run last (`smpart.program_of`).
         self.last: Any = None
 

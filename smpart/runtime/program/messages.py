@@ -1,7 +1,9 @@
 """What crosses between ranks for a program step under ``torchrun``.
 
 A program step's path carries only `Transfers`: a rank's tensors for one destination at one point
-of the glue (most often one activation, or one gradient), keyed by ``(kind, micro-batch, k)``.
+of the glue (most often one activation, or one gradient), keyed by ``(kind, micro-batch, k)``;
+from a program's second run on, where the last run's routes agreed, not even those: the tensors
+travel unframed (`smpart.runtime.program.routes`).
 Around the step, once each: the first stage's rank says which program runs (`BeginProgram`, with
 what the other ranks lack: the recorded templates and the program, the first time), each rank
 answers with what the driver gathers into the `StepOutput` (`ProgramReport`), and the usual
@@ -20,10 +22,11 @@ PROGRAM = "program"
 
 @dataclass(slots=True)
 class Transfers:
-    """Tensors for one rank: ``[(key, tensor or None, requires grad), ...]``."""
+    """Tensors for one rank from pipeline rank ``src``: ``[(key, tensor or None, requires grad), ...]``."""
 
     step: int
     items: list
+    src: int = -1
 
 
 @dataclass(slots=True)
@@ -45,6 +48,8 @@ class BeginProgram:
     reply_to: Any = None
     #: Every module's train/eval flag on the first stage's rank (`ProcessRuntime.training_modes`).
     modes: Any = None
+    #: The tensors travel unframed, as the last run of this program noted (`routes`).
+    direct: bool = False
 
 
 @dataclass(slots=True)
@@ -59,6 +64,8 @@ class ProgramReport:
     bytes_sent: dict = field(default_factory=dict)
     messages: dict = field(default_factory=dict)
     mutable_buffers: set | None = None
+    #: What crossed each of this rank's pairs, in digests (`routes.Notes.digests`); None: not noted.
+    routes: dict | None = None
 
 
 @dataclass(slots=True)

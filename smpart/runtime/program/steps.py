@@ -26,7 +26,7 @@ import torch
 
 from smpart.errors import PipelineError, SmpartError
 from smpart.runtime.ambient import Ambient, capture, compute_thread
-from smpart.runtime.program import templates
+from smpart.runtime.program import routes, templates
 from smpart.runtime.program.actions import Program, RankShape, build
 from smpart.runtime.program.executor import Aborted, ProcessWire, RankReport, RankRun, ThreadWire
 from smpart.runtime.program.guards import Decision, ModelPrograms, Snapshot, step_key
@@ -519,6 +519,7 @@ class ProcessProgramStep:
         news = programs.sent_to_ranks != len(programs.templates) or self.decision.discover
         key = self.decision.key
         new_program = self.program is not None and programs.sent_programs.get(key) is not self.program
+        direct = self.program is not None and key in programs.direct and self._channel() is not None
         inputs = input_templates(pieces)
         reports_at = (runtime.rank, ("program-reports", step))
         begin = BeginProgram(
@@ -532,6 +533,7 @@ class ProcessProgramStep:
             self.ambient,
             reports_at,
             runtime.training_modes(),
+            direct,
         )
         programs.sent_to_ranks = len(programs.templates)
         programs.sent_inputs[key] = inputs
@@ -548,7 +550,7 @@ class ProcessProgramStep:
                 run.mark(pieces[mb], first_rank)
                 return pieces[mb]
 
-            report, error, wire = self._run(real_inputs, scale, len(pieces))
+            report, error, wire = self._run(real_inputs, scale, len(pieces), direct)
             reports: list[RankReport] = [report]
             deadline = time.monotonic() + runtime.config.timeout_s
             theirs: list[ProgramReport] = []
@@ -566,7 +568,11 @@ class ProcessProgramStep:
         errors = [error] if error is not None else []
         errors += [m.report.error for m in theirs if m.report.error is not None]
         if errors:
+            programs.direct.discard(key)
             raise _first_error(errors)
+        if wire.notes is not None:  # a framed run: the next goes direct where every pair agrees
+            agreed = routes.agree([wire.notes.digests()] + [m.routes for m in theirs])
+            (programs.direct.add if agreed else programs.direct.discard)(key)
         reports += [m.report for m in sorted(theirs, key=lambda m: m.pipeline_rank)]
         results = assemble(reports, len(pieces))
         duration = time.time() - start
@@ -588,6 +594,7 @@ class ProcessProgramStep:
                 timeline.messages[(source, to)] = count
         timeline.runtime = "program"
         timeline.reason = "" if self.program is not None else "discovering: this step records its program"
+        timeline.transfers = "direct" if direct else "framed"
         timeline.program = self.program
         return results, timeline, reports
 
@@ -605,7 +612,7 @@ class ProcessProgramStep:
             return tuple(args), kwargs
 
         snapshot = Snapshot(self.programs)
-        report, error, wire = self._run(stand_ins, begin.grad_scale, len(begin.inputs))
+        report, error, wire = self._run(stand_ins, begin.grad_scale, len(begin.inputs), begin.direct)
         if self.decision.discover and error is None:
             self.programs.mutable_buffers = snapshot.changed_buffers()
         if error is not None:
@@ -614,7 +621,8 @@ class ProcessProgramStep:
             runtime.rank,
             begin.reply_to,
             ProgramReport(
-                self.step, runtime.rank, self.me, report, dict(wire.sent_bytes), dict(wire.messages)
+                self.step, runtime.rank, self.me, report, dict(wire.sent_bytes), dict(wire.messages),
+                routes=wire.notes.digests() if wire.notes is not None else None,
             ),
         )
         if self.settle(error):  # the step runs again on the reference runtime, the driver's rank leading
@@ -643,28 +651,49 @@ class ProcessProgramStep:
         return 0
 
     def _run(
-        self, inputs: Callable, scale: float, microbatches: int
+        self, inputs: Callable, scale: float, microbatches: int, direct: bool = False
     ) -> tuple[RankReport, BaseException | None, Any]:
-        runtime = self.runtime
+        runtime, key = self.runtime, self.decision.key
         context = RankContext.of(self.programs, self.me, runtime.stage, runtime.setup.device, runtime.rank)
-        address = (runtime.rank, PROGRAM)
-        wire = ProcessWire(
-            runtime.transport,
-            runtime.rank,
-            runtime.place_of_stage,
-            self.step,
-            runtime.config.timeout_s,
-            lambda t: runtime.transport.receive(address, t),
-            PROGRAM,
-        )
+        wire = self._wire(direct)
         run = RankRun(context, self.step, self.program, self.fn, inputs, wire, self.ambient, scale,
                       microbatches, before_backward=self.before_backward)
         try:
-            return run.run(), None, wire
+            if direct and not isinstance(wire, routes.DirectWire):
+                raise SmpartError(f"rank {runtime.rank} was told to send step {self.step}'s transfers "
+                                  "direct, but it noted no route for them: every rank runs the same steps")
+            report = run.run()
+            wire.settle(None)
         except BaseException as err:  # noqa: BLE001 - every rank of the step hears of it
             if not isinstance(err, Aborted):
                 self._abort_others(err)
+            with contextlib.suppress(Exception):  # the step's own error is what matters
+                wire.settle(err)
+            self.programs.routes.pop(key, None)
             return run.report, err, wire
+        if wire.notes is not None:
+            self.programs.routes[key] = wire.notes.route()
+        elif self.program is None:  # a discovery: the program that follows may cross otherwise
+            self.programs.routes.pop(key, None)
+            self.programs.direct.discard(key)
+        return report, None, wire
+
+    def _channel(self) -> Any:
+        """The rank's `DirectChannel`, where direct transfers are on and it works; else None."""
+        channel = getattr(self.runtime, "direct", None)
+        usable = channel is not None and channel.usable and self.runtime.config.direct_transfers
+        return channel if usable else None
+
+    def _wire(self, direct: bool) -> ProcessWire:
+        runtime = self.runtime
+        address = (runtime.rank, PROGRAM)
+        args = (runtime.transport, runtime.rank, runtime.place_of_stage, self.step, runtime.config.timeout_s,
+                lambda t: runtime.transport.receive(address, t), PROGRAM)
+        route, channel = self.programs.routes.get(self.decision.key), self._channel()
+        if direct and route is not None and channel is not None:
+            return routes.DirectWire(*args, me=self.me, route=route, channel=channel)
+        notes = routes.Notes(self.me) if self.program is not None and channel is not None else None
+        return ProcessWire(*args, me=self.me, notes=notes)
 
     def _abort_others(self, err: BaseException) -> None:
         runtime = self.runtime

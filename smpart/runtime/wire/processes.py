@@ -90,7 +90,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -181,6 +181,23 @@ def _default_store() -> Any:
         return None
 
 
+def release_group(group: Any, peers: Iterable[int], lost: Collection[int] = ()) -> None:
+    """Make every pending wait on gloo ``group`` fail: a receive nobody will answer, from one of
+    ``peers``, with a 1 ms timeout, makes gloo close all of that group's connections."""
+    members = set(dist.get_process_group_ranks(group))
+    # A live peer first: a receive from a dead one fails at once and times nothing out.
+    for peer in sorted((r for r in peers if r in members), key=lambda r: r in lost):
+        try:
+            buffer = torch.empty(1, dtype=torch.uint8)
+            work = group.recv([buffer], dist.get_group_rank(group, peer), TAG_RELEASE)
+            work.wait(timeout=_RELEASE_WAIT)
+        except Exception as err:
+            if "timed out" in str(err).lower():
+                return  # the expected timeout: it closed the group's connections
+            continue  # that peer's connection is closed already: try another
+        return
+
+
 class ProcessTransport:
     """Messages between the ranks of a torch.distributed job; see the module docstring.
 
@@ -251,6 +268,7 @@ class ProcessTransport:
         self._posted: queue.SimpleQueue = queue.SimpleQueue()  # messages whose sends await completion
         self._post_lock = threading.Lock()  # a message's parts are posted back to back (order)
         self._lock = threading.Lock()
+        self._lost_watchers: list[Callable[[int], None]] = []
         self._stop = threading.Event()
         self._closing = False
         self._closed = False
@@ -442,6 +460,13 @@ class ProcessTransport:
             self._lost_order.append(peer)
             self.lost.add(peer)
         self._inbox.put(_WAKE)
+        for watcher in list(self._lost_watchers):
+            watcher(peer)
+
+    def on_lost(self, watcher: Callable[[int], None]) -> None:
+        """Call ``watcher(peer)`` when a peer is lost (on the thread that found it): a wait outside
+        the transport's threads (`smpart.runtime.wire.direct`) learns of it there."""
+        self._lost_watchers.append(watcher)
 
     # -- threads --------------------------------------------------------------------------------
 
@@ -626,17 +651,7 @@ class ProcessTransport:
                 self._release_group(group)
 
     def _release_group(self, group: Any) -> None:
-        members = set(dist.get_process_group_ranks(group))
-        # A live peer first: a receive from a dead one fails at once and times nothing out.
-        for peer in sorted((r for r in self._peers if r in members), key=lambda r: r in self.lost):
-            try:
-                work = self._irecv(torch.empty(1, dtype=torch.uint8), peer, group, TAG_RELEASE)
-                work.wait(timeout=_RELEASE_WAIT)
-            except Exception as err:
-                if "timed out" in str(err).lower():
-                    return  # the expected timeout: it closed the group's connections
-                continue  # that peer's connection is closed already: try another
-            return
+        release_group(group, self._peers, self.lost)
 
     def _watch(self, store: Any, generation: int) -> None:
         """Heartbeat this rank and mark peers whose heartbeat stopped as lost, until close."""

@@ -102,8 +102,8 @@ class Setup:
     #: Under NCCL, one NCCL group per ordered pair of ranks that exchange pipeline messages and
     #: include this rank: the transport's tensors travel on them (its headers on gloo). Else None.
     data_groups: dict[tuple[int, int], Any] | None = None
-    #: Under gloo, a group of every rank for a replayed step program's tensors alone
-    #: (`smpart.runtime.wire.direct`); None under NCCL.
+    #: Under gloo with pipeline stages, a group of every rank for a replayed step program's tensors
+    #: alone (`smpart.runtime.wire.direct`); None under NCCL, and with one stage.
     direct_group: Any = None
 
 
@@ -170,7 +170,7 @@ def setup(config: Config) -> Setup:
     groups = {name: mesh.get_group(name) if size > 1 else None
               for name, size in (("pp", layout.pp), ("dp", layout.dp), ("tp", layout.tp))}
     data_groups = pair_groups(message_pairs(layout), "nccl") if nccl else None
-    direct_group = None if nccl else dist.new_group(backend="gloo")
+    direct_group = None if nccl or layout.pp == 1 else dist.new_group(backend="gloo")
     return Setup(rank, world, local_rank, layout, device, dist.get_backend(), transport_group, created,
                  collective_group, groups["dp"], groups["pp"], groups["tp"], mesh,
                  _dp_control_group(layout, rank), data_groups, direct_group)

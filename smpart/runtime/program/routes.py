@@ -146,12 +146,13 @@ class _Posted:
     """The receives posted for one message: their works, its tensors (views of the buffers the
     bytes land in), and the flag byte."""
 
-    __slots__ = ("works", "tensors", "flag")
+    __slots__ = ("works", "tensors", "flag", "left")
 
     def __init__(self, works: list, tensors: list[torch.Tensor | None], flag: torch.Tensor) -> None:
         self.works = works
         self.tensors = tensors
         self.flag = flag
+        self.left = len(tensors)  # not yet taken: the message is let go of once all are
 
 
 class DirectWire(ProcessWire):
@@ -193,11 +194,7 @@ class DirectWire(ProcessWire):
         else:
             parts = tuple(_bytes_of(t) for t, at in zip(tensors, offsets, strict=True) if at is not None)
         if end < COPY_LIMIT:
-            pieces, at = [], 0
-            for data, start in zip(parts, [o for o in offsets if o is not None], strict=False):
-                pieces += [_PADDING[: start - at], data]
-                at = start + data.numel()
-            whole = torch.cat((*pieces, _FLAG[flag])) if tensors is not None else torch.cat(parts)
+            whole = torch.cat(parts if tensors is None else _packed(parts, offsets, flag))
             works = [self.channel.send(place, whole, tag)]
             kept: tuple = (whole,)
         elif tensors is None:
@@ -225,6 +222,9 @@ class DirectWire(ProcessWire):
         posted = self.posted[(src, n)]
         if posted.works:
             self._wait(posted, src, key)
+        posted.left -= 1
+        if not posted.left:
+            del self.posted[(src, n)]
         return posted.tensors[j], self.route.came[src][n][j][3]
 
     def _post_through(self, src: int, last: int) -> None:
@@ -301,6 +301,15 @@ class DirectWire(ProcessWire):
         self.in_flight.clear()
         if problem is not None and error is None:
             raise problem
+
+
+def _packed(parts: tuple, offsets: list[int | None], flag: int) -> list[torch.Tensor]:
+    """A small message's pieces: each tensor's bytes at its offset (`_layout`), then the flag."""
+    pieces, at = [], 0
+    for data, start in zip(parts, [o for o in offsets if o is not None], strict=True):
+        pieces += [_PADDING[: start - at], data]
+        at = start + data.numel()
+    return [*pieces, _FLAG[flag]]
 
 
 def _diverged(error: BaseException) -> bool:

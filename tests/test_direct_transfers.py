@@ -5,6 +5,9 @@ gives up mid-way leaves the channel ready for the next."""
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -174,6 +177,46 @@ def test_a_direct_step_that_fails_on_one_rank_fails_on_both_and_the_next_steps_g
         assert seen == ["", "framed", "framed", "direct", "failed", "framed", "direct", "direct"], seen
         assert "the head failed" in caught, caught
         assert worst <= TOL, worst
+
+
+def _one_hangs(rank):
+    """Three steps, then, in the first direct one, the second rank stops (SIGSTOP: alive, its sockets
+    open, silent) before its loss's backward, while the first waits for that gradient."""
+    torch.manual_seed(0)
+    smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=300, pin={"": 0, "first": 0, "head": 1})
+    dm = smpart.DistributedModel(_Chain().double())
+
+    @smpart.step
+    def step(model, x, y):
+        loss = _cross_entropy(model, x, y)
+        if smpart.rank() == 1 and os.environ.get("SMPART_TEST_HANG") == "now":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        model.backward(loss)
+        return loss
+
+    x, y = batch(0, size=4)
+    for _ in range(3):
+        step(dm, x, y)
+        dm.zero_grad()
+    os.environ["SMPART_TEST_HANG"] = "now"
+    started = time.monotonic()
+    try:
+        out = step(dm, x, y)
+    except smpart.SmpartError as err:
+        return time.monotonic() - started, str(err)
+    return None, out.timeline.transfers
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_hangs_in_a_direct_step_is_named_by_the_others_once_its_heartbeat_stops():
+    """The first rank waits for a gradient on its own thread, outside the transport: the
+    transport's heartbeats find the second rank lost (~15 s) and release that wait, instead of the
+    step's timeout (300 s) running out."""
+    first, second = run_ranks(_one_hangs, 2, timeout_s=100, stray={1})
+    assert first.error is None and first.value is not None, first
+    took, text = first.value
+    assert took is not None and took < 45, (took, text)
+    assert "rank 1" in text, text
 
 
 # ==================================================================== the routes' agreement

@@ -19,6 +19,7 @@ The transport is a `smpart.runtime.wire.routed.RoutedTransport`: the runtime's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import itertools
@@ -205,7 +206,11 @@ class ProcessRuntime(Runtime):
                 lambda code: self._post_replica_check(pieces, samples, code))
         except BaseException as err:  # noqa: BLE001 - every rank hears of it, then it is raised here
             error = err
-        result = StepResult(step, results, timeline, _shippable(error, self.rank))
+        # The program is the other ranks' own already (`BeginProgram`): not sent again every step,
+        # only whether one ran (they put theirs in, `_serve_step`).
+        shipped = (dataclasses.replace(timeline, program=timeline.program is not None)
+                   if timeline is not None else None)
+        result = StepResult(step, results, shipped, _shippable(error, self.rank))
         try:
             self.transport.send_all(self.rank, [(self.place_of_stage(stage), MAIN)
                                                  for stage in range(1, self.num_stages)], result)
@@ -261,6 +266,9 @@ class ProcessRuntime(Runtime):
                                       f"step {message.step}: every rank must call the step function the same "
                                       "number of times")
                 self._end_step(message.error)
+                if message.timeline is not None:
+                    ran = message.timeline.program is True and program_steps.programs_of(model)
+                    message.timeline.program = ran.last if ran else None
                 return message.results, message.timeline
         if self._reducer is not None and self._reducer.failure is not None:
             raise self._reducer.failure  # what this stage waited for: a replica that never came

@@ -15,7 +15,7 @@ import torch
 import smpart
 from smpart.runtime.program import routes
 from tests.launch import run_ranks, values
-from tests.test_programs import batch
+from tests.test_programs import Chain, batch, chain_pins
 from tests.test_programs_processes import TOL, _state_difference, _two_stages_against_unsplit
 
 
@@ -80,6 +80,22 @@ def test_a_program_sends_its_tensors_direct_from_its_third_run_of_every_dtype_an
         assert direct == ["", "framed", "framed", "direct", "direct"], direct
         assert framed == ["", "framed", "framed", "framed", "framed"], framed  # direct_transfers=False
         assert worst <= TOL and worst_framed <= TOL, (worst, worst_framed)
+
+
+def _virtual(rank):
+    torch.manual_seed(0)
+    return _two_stages_against_unsplit(
+        Chain().double(), chain_pins(4), 5, _batch_of, classify, _cross_entropy,
+        seen=lambda timeline: timeline.transfers, virtual_stages=2, pipeline="1f1b")
+
+
+@pytest.mark.timeout(200)
+def test_virtual_stages_on_two_processes_go_direct_too():
+    """Two stages per rank: a micro-batch crosses the cut between the ranks three times forward
+    and three times back, all of it direct from the fourth step."""
+    for transfers, worst in values(run_ranks(_virtual, 2, timeout_s=190)):
+        assert transfers == ["", "framed", "framed", "direct", "direct"], transfers
+        assert worst <= TOL, worst
 
 
 # ==================================================================== a step that gives up

@@ -134,6 +134,24 @@ def test_a_chain_runs_torchs_1f1b_lists_and_its_timeline_follows_them(stages):
 
 
 @pytest.mark.timeout(120)
+def test_virtual_stages_give_each_rank_two_stages_interleaved_as_torchs_interleaved_1f1b():
+    """``virtual_stages=2`` on 2 ranks: 4 stages, rank r holding stages r and r + 2, each step equal
+    to the unsplit model (`train_both`). Each micro-batch's forward on a rank is cut where it
+    leaves for the other rank and comes back; the first rank warms up as torch's
+    ``ScheduleInterleaved1F1B`` does with 2 ranks and 4 micro-batches: (pp - rank - 1) x 2 + (v - 1)
+    x pp = 4 forwards, two micro-batches on its first stage, then the same two on its second."""
+    dm, timelines = train_both(Chain(), 5, 4, pipeline_parallel_degree=2, virtual_stages=2, pipeline="1f1b",
+                               pin=chain_pins(4))
+    assert runtimes(timelines) == ["reference"] + ["program"] * 4
+    program = smpart.program_of(dm)
+    assert len(program.actions) == 2
+    assert timelines[-1].started[0][:5] == ["F0.0", "F1.0", "F0.1", "F1.1", "F2.0"]
+    for started in timelines[-1].started.values():
+        for mb in range(4):
+            assert started.index(f"F{mb}.0") < started.index(f"F{mb}.1")
+
+
+@pytest.mark.timeout(120)
 def test_gpipe_runs_every_forward_before_the_backwards_but_the_losss():
     dm, timelines = train_both(Chain(), 3, 4, pipeline_parallel_degree=2, pipeline="gpipe", pin=chain_pins(2))
     program = smpart.program_of(dm)

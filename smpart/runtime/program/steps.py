@@ -8,7 +8,7 @@ ran and why (``timeline.runtime``, ``timeline.reason``). Under ``torchrun`` the 
 
 On threads every stage runs its list on a thread of its own (stage 0 on the caller's), with
 transfers passed by reference between them (`executor.ThreadWire`). The file holds the step on
-both runtimes (650 lines): `ThreadProgramStep` and `ProcessProgramStep` make the same decisions
+both runtimes (750 lines): `ThreadProgramStep` and `ProcessProgramStep` make the same decisions
 in the same order, and side by side a change to one is seen to need the other.
 """
 

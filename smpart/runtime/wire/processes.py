@@ -73,7 +73,7 @@ per ordered pair: pass ``data_groups={(src, dst): group}`` (for example from `pa
 each direction of each pair uses its own communicator, so the sends of ``src`` (posted under
 one lock) and the receiver thread of ``dst`` are its only users.
 
-`ProcessTransport` is one class of 460 lines (the file 640): its sender, receiver threads,
+`ProcessTransport` is one class of 490 lines (the file 690): its sender, receiver threads,
 completion thread and heartbeat share one peer table and one shutdown, which a split would
 spread over files that each need the others.
 """

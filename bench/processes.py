@@ -5,7 +5,9 @@ float32, batch 512, 4 micro-batches, cross-entropy, forward + backward + SGD ste
 the same layer (blocks 0-3 on stage 0, blocks 4-7 and the head on stage 1), one intra-op thread
 per rank (and per process on threads), trained five ways in one run of this script:
 
-- ``smpart procs``: smpart on 2 processes (gloo), ``pipeline="1f1b"`` and ``"gpipe"``;
+- ``smpart procs``: smpart on 2 processes (gloo), ``pipeline="1f1b"`` and ``"gpipe"``; beside
+  it ``smpart ref`` (the reference runtime, ``step_programs=False``) and ``smpart framed`` (the
+  programs with their tensors as the transport's messages, ``direct_transfers=False``);
 - ``torch procs``: torch.distributed.pipelining's ``Schedule1F1B`` / ``ScheduleGPipe`` over two
   hand-built ``PipelineStage``\\ s on the same 2 processes (gloo);
 - ``smpart threads``: smpart on threads of this process (2 stages);
@@ -89,15 +91,16 @@ from bench.rank_pool import RankPool  # noqa: E402
 
 
 def run_smpart(rank: int | None, schedule: str, warmup: int, steps: int,
-               halves: bool = False, reference: bool = False) -> dict[str, Any]:
+               halves: bool = False, reference: bool = False, framed: bool = False) -> dict[str, Any]:
     """smpart's step on whatever this process is (a rank of the pool, or threads when ``rank`` is
     None); step times are those of the driver (rank 0). ``reference``: every step on the
-    reference runtime (step programs off); schedule ``interleaved``: 1f1b over virtual stages."""
+    reference runtime (step programs off); ``framed``: programs whose tensors stay the transport's
+    messages (``direct_transfers=False``); schedule ``interleaved``: 1f1b over virtual stages."""
     interleaved = schedule == "interleaved"
     pins = HALVES_PINS if halves else INTERLEAVED_PINS if interleaved else PINS
     smpart.init(pipeline_parallel_degree=STAGES, microbatches=MICROBATCHES, pin=pins, timeout_s=120,
                 pipeline="1f1b" if interleaved else schedule, virtual_stages=2 if interleaved else 1,
-                step_programs=not reference)
+                step_programs=not reference, direct_transfers=not framed)
     try:
         model = smpart.DistributedModel(Halves(make_model()) if halves else make_model())
         opt = smpart.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
@@ -242,7 +245,8 @@ def main() -> None:
     a = parser.parse_args()
     torch.set_num_threads(1)
     proc_configs = [("smpart procs", "1f1b"), ("torch procs", "1f1b"), ("smpart procs", "gpipe"),
-                    ("torch procs", "gpipe"), ("smpart ref", "1f1b"), ("smpart ref", "gpipe")]
+                    ("torch procs", "gpipe"), ("smpart ref", "1f1b"), ("smpart ref", "gpipe"),
+                    ("smpart framed", "1f1b"), ("smpart framed", "gpipe")]
     if a.interleaved:
         proc_configs += [("smpart procs", "interleaved"), ("torch procs", "interleaved")]
     if a.halves:
@@ -268,6 +272,8 @@ def main() -> None:
                 args = (schedule.split()[0], a.warmup, a.steps) + ((True,) if "halves" in schedule else ())
                 if name == "smpart ref":
                     args += (False, True)
+                if name == "smpart framed":
+                    args += (False, False, True)
                 results = pool.run(fn, *args)
                 result = results[0]
                 times.setdefault((name, schedule), []).extend(result["times"])
@@ -325,6 +331,11 @@ def main() -> None:
         print(f"  the reference runtime (step programs off) / torch {torch_name}: "
               f"{med[('smpart ref', schedule)] / med[('torch procs', schedule)]:.3f}; round by round "
               f"{', '.join(f'{r:.3f}' for r in reference)}")
+        framed = [ours / theirs for ours, theirs in zip(per_round[("smpart framed", schedule)],
+                                                         per_round[("torch procs", schedule)], strict=True)]
+        print(f"  programs with framed transfers (direct_transfers=False) / torch {torch_name}: "
+              f"{med[('smpart framed', schedule)] / med[('torch procs', schedule)]:.3f}; round by round "
+              f"{', '.join(f'{r:.3f}' for r in framed)}")
     if ("smpart procs", "interleaved") in med:
         ours_v, theirs_v = ("smpart procs", "interleaved"), ("torch procs", "interleaved")
         paired = [o / t for o, t in zip(per_round[ours_v], per_round[theirs_v], strict=True)]

@@ -9,8 +9,9 @@ runtime's). ``time.sleep`` itself overshoots a little, so the ratio to the ideal
 the sleep times measured on this machine (outside the runtime) is printed too: that one is the
 runtime's own overhead.
 
-Four times: the stages on threads of this process; on one process per stage (gloo, spawned from
-this script, one intra-op thread each; step times of the driver's rank), with step programs and
+Five times: the stages on threads of this process; on one process per stage (gloo, spawned from
+this script, one intra-op thread each; step times of the driver's rank), with step programs, with
+programs whose tensors go as the transport's messages (``framed``: ``direct_transfers=False``) and
 with the reference runtime (programs off, ``ref. procs``); and, as the yardstick of
 what a pipeline over processes reaches on this machine, torch.distributed.pipelining's own
 ``ScheduleGPipe`` / ``Schedule1F1B`` over the same blocks in the same processes (one block per
@@ -89,14 +90,16 @@ def train_step(model, x):
 
 
 def measure(schedule: str, stages: int, microbatches: int, seconds: float, steps: int, width: int = 8,
-            programs: bool = True, where: str = "threads") -> tuple[list[float], list[float], str, float]:
+            programs: bool = True, direct: bool = True,
+            where: str = "threads") -> tuple[list[float], list[float], str, float]:
     """Step times and bubble fractions of ``steps`` steps, where the last step's timeline was
     saved, and the CPU seconds per step of this process (all its threads). ``stages`` warm-up
     steps go first: the first places the model, and holding (`smpart.runtime.reference.gradients`) learns
     its counts from the step before, so the first steps of ``stages`` stages repeat backward
     work (`bench/backward_work.py`)."""
     smpart.init(pipeline_parallel_degree=stages, microbatches=microbatches, pipeline=schedule,
-                pin={f"blocks.{i}": i for i in range(stages)}, timeout_s=120, step_programs=programs)
+                pin={f"blocks.{i}": i for i in range(stages)}, timeout_s=120, step_programs=programs,
+                direct_transfers=direct)
     try:
         model = smpart.DistributedModel(SleepPipeline(stages, seconds))
         x = torch.randn(microbatches * 2, width)
@@ -127,10 +130,11 @@ def on_rank(rank: int, *args) -> tuple[list[float], list[float], str, float]:
     return measure(*args, where="processes")
 
 
-def on_processes(pool: RankPool, *args, programs: bool = True) -> tuple[list[float], list[float], str, float]:
+def on_processes(pool: RankPool, *args, programs: bool = True,
+                 direct: bool = True) -> tuple[list[float], list[float], str, float]:
     """The driver's rank's step times, bubbles and timeline; the CPU per step of every rank, summed;
-    ``programs`` off: on the reference runtime."""
-    ranks = pool.run(on_rank, *args, programs)
+    ``programs`` off: on the reference runtime; ``direct`` off: programs with framed transfers."""
+    ranks = pool.run(on_rank, *args, programs, direct)
     times, bubbles, path, _ = ranks[0]
     return times, bubbles, path, sum(rank[3] for rank in ranks)
 
@@ -202,11 +206,12 @@ def main() -> None:
             for schedule in ("gpipe", "1f1b"):
                 for where, run in (("threads", measure), ("processes", partial(on_processes, pool)),
                                    ("reference", partial(on_processes, pool, programs=False)),
+                                   ("framed", partial(on_processes, pool, direct=False)),
                                    ("torch", partial(on_torch_processes, pool))):
                     got = run(schedule, a.stages, a.microbatches, t, a.steps, a.width)
                     old = results.get((where, schedule), ([], [], "", []))
                     results[(where, schedule)] = (old[0] + got[0], old[1] + got[1], got[2], old[3] + [got[3]])
-    order = ("threads", "processes", "reference", "torch")
+    order = ("threads", "processes", "framed", "reference", "torch")
     for (where, schedule), (times, bubbles, path, cpus) in sorted(results.items(),
                                                                    key=lambda kv: order.index(kv[0][0])):
         step_s, bubble = statistics.median(times), statistics.median(bubbles)
@@ -222,8 +227,10 @@ def main() -> None:
         ours = statistics.median(results[("processes", schedule)][0])
         theirs = statistics.median(results[("torch", schedule)][0])
         reference = statistics.median(results[("reference", schedule)][0])
+        framed = statistics.median(results[("framed", schedule)][0])
         print(f"  smpart processes / torch procs ({schedule}): {ours / theirs:.3f} (goal <= 1.00); "
-              f"the reference runtime (step programs off): {reference / theirs:.3f}")
+              f"the reference runtime (step programs off): {reference / theirs:.3f}; programs with "
+              f"framed transfers (direct_transfers=False): {framed / theirs:.3f}")
 
 if __name__ == "__main__":
     main()

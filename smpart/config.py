@@ -93,10 +93,10 @@ class Config:
     #: each kind, and any step its program cannot run, runs on the reference runtime. Only speed
     #: changes. ``SMPART_PROGRAMS=0`` sets the default.
     step_programs: bool = field(default_factory=lambda: os.environ.get("SMPART_PROGRAMS", "1") != "0")
-    #: Under ``torchrun`` on gloo, from a program's third run on, its tensors travel as their bytes
-    #: alone, into receives posted ahead (`smpart.runtime.program.routes`), where its second run's
-    #: transfers were alike on both ends of every pair. Only speed changes. ``SMPART_DIRECT=0``
-    #: sets the default.
+    #: Under ``torchrun`` on gloo, a program's tensors travel as their bytes alone, into receives
+    #: posted ahead (`smpart.runtime.program.routes`), from its second run on (a model's fourth
+    #: step), where its first run's transfers were alike on both ends of every pair. Only speed
+    #: changes. ``SMPART_DIRECT=0`` sets the default.
     direct_transfers: bool = field(default_factory=lambda: os.environ.get("SMPART_DIRECT", "1") != "0")
     #: On threads, where a step program runs its stages: "per-stage" threads (their work outside
     #: the GIL, CUDA launches, the backward, CPU compute, runs side by side), or "one" thread, the

@@ -1,4 +1,4 @@
-"""Direct transfers (`smpart.runtime.program.routes`): from a program's third run under torchrun,
+"""Direct transfers (`smpart.runtime.program.routes`): from a model's fourth step under torchrun,
 its tensors travel as their bytes alone; the results stay the unsplit model's, and a step that
 gives up mid-way leaves the channel ready for the next."""
 

@@ -2,8 +2,8 @@
 
 A program step's path carries only `Transfers`: a rank's tensors for one destination at one point
 of the glue (most often one activation, or one gradient), keyed by ``(kind, micro-batch, k)``;
-from a program's second run on, where the last run's routes agreed, not even those: the tensors
-travel unframed (`smpart.runtime.program.routes`).
+from a program's second run on (a model's fourth step), where its last run's routes agreed, not
+even those: the tensors travel unframed (`smpart.runtime.program.routes`).
 Around the step, once each: the first stage's rank says which program runs (`BeginProgram`, with
 what the other ranks lack: the recorded templates and the program, the first time), each rank
 answers with what the driver gathers into the `StepOutput` (`ProgramReport`), and the usual

@@ -680,7 +680,7 @@ class ProcessProgramStep:
 
     def _channel(self) -> Any:
         """The rank's `DirectChannel`, where direct transfers are on and it works; else None."""
-        channel = getattr(self.runtime, "direct", None)
+        channel = self.runtime.direct
         usable = channel is not None and channel.usable and self.runtime.config.direct_transfers
         return channel if usable else None
 

@@ -11,22 +11,25 @@ known: which transfers, in which order, each tensor's shape and dtype. So a prog
    (the transport keeps each pair's order). Each rank's report carries digests of its notes; the
    first stage's rank compares the two ends of every pair (`agree`).
 2. *Direct* (the runs after one whose notes agreed, `BeginProgram.direct`): `DirectWire` sends
-   each tensor with one ``isend`` of its bytes on `DirectChannel`, tagged with its place in the
-   pair's list, into a buffer the receiver allocated from its notes and posted a few transfers
-   ahead, and the receiver waits for it on its own thread: torch's way, one message per tensor.
-   The tag makes each transfer match its own receive whatever the order they are posted in.
-3. *Guards*: the sender checks each transfer against its notes before posting it (the same key
-   in the same place, shape, dtype, requires-grad); anything else is a divergence, and the step
+   each message (what one `Transfers` held: most often an activation, with the labels beside it)
+   with one ``isend`` of its bytes on `DirectChannel`, tagged with its place in the pair's list,
+   into a buffer the receiver allocated from its notes and posted `AHEAD` messages ahead; the
+   receiver waits for it on its own thread: torch's way. The tag makes each message match its
+   own receive whatever the order they are posted in.
+3. *Guards*: the sender checks each message against its notes before posting it (the same keys
+   in the same place, shapes, dtypes, requires-grad); anything else is a divergence, and the step
    runs on the reference runtime, as any divergence does. A receive not noted is one too.
-4. *Settling*: every tensor carries one more byte, 0, or why its sender gave the step up
+4. *Settling*: every message carries one more byte, 0, or why its sender gave the step up
    (`FAILED`, `DIVERGED`). A rank that gives up (its error, a divergence, another rank's abort)
    still completes its part of the route: what it had left to send goes with that byte set and
    no data, what it had left to receive it receives. So a receiver never takes a sender's give-up
    for data, and no transfer outlives its step: the next step's tags meet a quiet channel.
 
-The byte rides at the end of a copy of a small tensor (one message), behind a big one in a
-message of its own (no copy of the big one). CPU tensors on gloo only: where a step's transfers
-include anything else (a CUDA tensor, NCCL), its notes say so and it stays framed.
+A small message's tensors are copied into one buffer, each at a 16-byte offset (any dtype views
+its bytes in place), the byte at the end: one transfer. A big one sends each tensor as it is,
+with a tag of its own, then the byte alone (no copy). CPU tensors on gloo only: where a step's
+transfers include anything else (a CUDA tensor), its notes say so and it stays framed; under
+NCCL no channel is made.
 """
 
 from __future__ import annotations

@@ -192,24 +192,17 @@ class DirectWire(ProcessWire):
         message = self.route.to[to][n]
         offsets, end = _layout(message)
         place, tag = self.place_of(to), _TAG_BASE + (n << 10)
-        if tensors is None:
-            parts: tuple = (torch.empty(end, dtype=torch.uint8), _FLAG[flag])
-        else:
-            parts = tuple(_bytes_of(t) for t, at in zip(tensors, offsets, strict=True) if at is not None)
+        if tensors is None:  # giving up: what the message weighs, and the flag says why
+            tensors = [None if e[1] is None else torch.empty(_nbytes(e), dtype=torch.uint8) for e in message]
+        data = [None if t is None else _bytes_of(t) for t in tensors]
         if end < COPY_LIMIT:
-            whole = torch.cat(parts if tensors is None else _packed(parts, offsets, flag))
-            works = [self.channel.send(place, whole, tag)]
-            kept: tuple = (whole,)
-        elif tensors is None:
-            works = [self.channel.send(place, parts[0][: _nbytes(e)], tag + j)
-                     for j, e in enumerate(message) if e[1] is not None]
+            whole = torch.cat(_packed(data, offsets, flag))
+            works, kept = [self.channel.send(place, whole, tag)], (whole,)
+        else:  # each tensor as it is (an empty one sends nothing), then the flag
+            sent = [j for j, d in enumerate(data) if d is not None and d.numel()]
+            works = [self.channel.send(place, data[j], tag + j) for j in sent]
             works.append(self.channel.send(place, _FLAG[flag], tag + len(message)))
-            kept = parts
-        else:
-            sends = [j for j, at in enumerate(offsets) if at is not None]
-            works = [self.channel.send(place, data, tag + j) for j, data in zip(sends, parts, strict=True)]
-            works.append(self.channel.send(place, _FLAG[flag], tag + len(message)))
-            kept = parts
+            kept = tuple(data[j] for j in sent)
         self.in_flight.append((place, works, kept))
 
     # ---------------------------------------------------------------- receiving
@@ -251,7 +244,8 @@ class DirectWire(ProcessWire):
             views = [None if at is None else torch.empty(_nbytes(e), dtype=torch.uint8)
                      for e, at in zip(message, offsets, strict=True)]
             flag = torch.empty(1, dtype=torch.uint8)
-            works = [self.channel.receive(place, v, tag + j) for j, v in enumerate(views) if v is not None]
+            works = [self.channel.receive(place, v, tag + j) for j, v in enumerate(views)
+                     if v is not None and v.numel()]
             works.append(self.channel.receive(place, flag, tag + len(message)))
         tensors = [None if v is None else v.view(_DTYPES[e[2]]).view(e[1]) for e, v in zip(message, views,
                                                                                               strict=True)]
@@ -306,12 +300,13 @@ class DirectWire(ProcessWire):
             raise problem
 
 
-def _packed(parts: tuple, offsets: list[int | None], flag: int) -> list[torch.Tensor]:
+def _packed(data: list[torch.Tensor | None], offsets: list[int | None], flag: int) -> list[torch.Tensor]:
     """A small message's pieces: each tensor's bytes at its offset (`_layout`), then the flag."""
     pieces, at = [], 0
-    for data, start in zip(parts, [o for o in offsets if o is not None], strict=True):
-        pieces += [_PADDING[: start - at], data]
-        at = start + data.numel()
+    for bytes_, start in zip(data, offsets, strict=True):
+        if bytes_ is not None:
+            pieces += [_PADDING[: start - at], bytes_]
+            at = start + bytes_.numel()
     return [*pieces, _FLAG[flag]]
 
 

@@ -16,7 +16,7 @@ import smpart
 from smpart.runtime.program import routes
 from tests.launch import run_ranks, values
 from tests.test_programs import Chain, batch, chain_pins
-from tests.test_programs_processes import TOL, _state_difference, _two_stages_against_unsplit
+from tests.test_programs_processes import TOL, _Boom, _state_difference, _two_stages_against_unsplit
 
 
 @smpart.step
@@ -142,22 +142,13 @@ def test_a_direct_step_that_diverges_on_the_second_rank_runs_again_on_the_refere
         assert worst <= TOL, worst
 
 
-class _Failing(torch.nn.Linear):
-    fail = False
-
-    def forward(self, x):
-        if self.fail:
-            raise ValueError("the head failed")
-        return super().forward(x)
-
-
 def _fails_once(rank):
     """A direct step whose head fails on the second rank, then more steps, against the unsplit
     model (which skips the failed step): how each step's tensors travelled, what the failed step
     raised, and the worst difference of the losses and the final state."""
     torch.manual_seed(0)
     model = _Chain().double()
-    model.head = _Failing(8, 4).double()
+    model.head = _Boom(8, 4).double()
     reference = copy.deepcopy(model)
     smpart.init(pipeline_parallel_degree=2, microbatches=2, timeout_s=60, pin={"": 0, "first": 0, "head": 1})
     dm = smpart.DistributedModel(model)
@@ -192,7 +183,7 @@ def test_a_direct_step_that_fails_on_one_rank_fails_on_both_and_the_next_steps_g
     settled, so the next run (noting again) and the ones after (direct) meet a quiet channel."""
     for seen, caught, worst in values(run_ranks(_fails_once, 2, timeout_s=190)):
         assert seen == ["", "framed", "framed", "direct", "failed", "framed", "direct", "direct"], seen
-        assert "the head failed" in caught, caught
+        assert "boom on the second stage" in caught, caught
         assert worst <= TOL, worst
 
 
@@ -265,7 +256,7 @@ def test_two_ranks_agree_on_a_route_only_where_both_ends_noted_the_same_messages
 
 
 def test_a_message_lays_its_tensors_out_where_any_dtype_can_view_them():
-    message = (("F", 0, 0), (3,), "torch.float32", False), (("F", 0, 1), None, None, False), \
-        (("F", 0, 2), (2,), "torch.float64", False), (("F", 0, 3), (5,), "torch.bool", False)
+    message = (("F", 0, 0), (3,), torch.float32, False), (("F", 0, 1), None, None, False), \
+        (("F", 0, 2), (2,), torch.float64, False), (("F", 0, 3), (5,), torch.bool, False)
     offsets, end = routes._layout(message)
     assert offsets == [0, None, 16, 32] and end == 37

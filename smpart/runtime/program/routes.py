@@ -43,8 +43,9 @@ from smpart.errors import SmpartError
 from smpart.runtime.program.executor import Aborted, ProcessWire, describe_key
 from smpart.runtime.program.messages import ProgramAbort, Transfers
 from smpart.runtime.program.templates import Diverged
+from smpart.runtime.wire import frames
 
-#: An entry of a route: ``(key, shape or None for a None tensor, dtype name, requires grad)``; a
+#: An entry of a route: ``(key, shape or None for a None tensor, dtype, requires grad)``; a
 #: message is a tuple of entries (what one `Transfers` carried).
 Entry = tuple
 Message = tuple
@@ -69,7 +70,7 @@ def entry_of(key: tuple, tensor: torch.Tensor | None, needs: bool) -> Entry | No
         return (key, None, None, bool(needs))
     if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
         return None
-    return (key, tuple(tensor.shape), str(tensor.dtype), bool(needs))
+    return (key, tuple(tensor.shape), tensor.dtype, bool(needs))
 
 
 class Notes:
@@ -194,7 +195,7 @@ class DirectWire(ProcessWire):
         place, tag = self.place_of(to), _TAG_BASE + (n << 10)
         if tensors is None:  # giving up: what the message weighs, and the flag says why
             tensors = [None if e[1] is None else torch.empty(_nbytes(e), dtype=torch.uint8) for e in message]
-        data = [None if t is None else _bytes_of(t) for t in tensors]
+        data = [None if t is None else frames.to_wire(t) for t in tensors]
         if end < COPY_LIMIT:
             whole = torch.cat(_packed(data, offsets, flag))
             works, kept = [self.channel.send(place, whole, tag)], (whole,)
@@ -247,8 +248,8 @@ class DirectWire(ProcessWire):
             works = [self.channel.receive(place, v, tag + j) for j, v in enumerate(views)
                      if v is not None and v.numel()]
             works.append(self.channel.receive(place, flag, tag + len(message)))
-        tensors = [None if v is None else v.view(_DTYPES[e[2]]).view(e[1]) for e, v in zip(message, views,
-                                                                                              strict=True)]
+        tensors = [None if v is None else frames.from_wire(v, e[1:3])
+                   for e, v in zip(message, views, strict=True)]
         return _Posted(works, tensors, flag)
 
     def _wait(self, posted: _Posted, src: int, key: tuple) -> None:
@@ -315,14 +316,7 @@ def _diverged(error: BaseException) -> bool:
 
 
 def _nbytes(entry: Entry) -> int:
-    numel = 1
-    for n in entry[1]:
-        numel *= n
-    return numel * _DTYPES[entry[2]].itemsize
-
-
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return frames.nbytes(entry[1:3])
 
 
 def _described(entry: Entry | None, key: tuple) -> str:
@@ -331,5 +325,3 @@ def _described(entry: Entry | None, key: tuple) -> str:
     shape = "None" if entry[1] is None else f"{list(entry[1])} {entry[2]}"
     return f"{describe_key(key)} ({shape})"
 
-
-_DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}

@@ -107,6 +107,16 @@ def capture() -> Ambient:
     return Ambient(grad, inference, autocast, cache)
 
 
+def ambient_key() -> Any:
+    """`capture` as a dictionary key: the grad mode alone (a bool, hashed without Python) when
+    nothing else is set, as `capture`'s fast path finds, else the `Ambient`. Every template lookup
+    of a step program's calls holds one."""
+    if (torch.is_autocast_cache_enabled() and not torch.is_inference_mode_enabled()
+            and _ANY_AUTOCAST is not None and not _ANY_AUTOCAST()):
+        return torch.is_grad_enabled()
+    return capture()
+
+
 @contextmanager
 def _autocast_cache(enabled: bool) -> Iterator[None]:
     before = torch.is_autocast_cache_enabled()

@@ -8,6 +8,7 @@ Tensors (also inside lists, tuples and dicts) are split along their batch axis (
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -22,15 +23,16 @@ def split_arguments(fn: Callable, args: tuple, kwargs: dict, microbatches: int, 
                     skip: Callable[[Any], bool], non_split: Iterable[str] = (),
                     axes: dict[str, int] | None = None) -> list[tuple[tuple, dict]]:
     """``(args, kwargs)`` of each micro-batch. ``skip(value)`` marks values passed whole (the model)."""
+    signature = _signature(fn)
     try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
     except TypeError as err:
         raise SmpartError(f"step {fn.__name__}() called with arguments it does not accept: {err}") from None
     non_split, axes = set(non_split), dict(axes or {})
-    unknown = (non_split | set(axes)) - set(inspect.signature(fn).parameters)
+    unknown = (non_split | set(axes)) - set(signature.parameters)
     if unknown:
         raise SmpartError(f"non_split_inputs/input_split_axes name {sorted(unknown)}, which are not "
-                          f"parameters of {fn.__name__}{inspect.signature(fn)}")
+                          f"parameters of {fn.__name__}{signature}")
     pieces: dict[str, list[Any]] = {}
     for name, value in bound.arguments.items():
         if name in non_split or skip(value):
@@ -48,7 +50,7 @@ def batch_samples(fn: Callable, args: tuple, kwargs: dict, *, skip: Callable[[An
                   non_split: Iterable[str] = (), axes: dict[str, int] | None = None) -> int | None:
     """The step's batch size: the length of its first split tensor along its split axis (None
     when nothing is split). Call it after `split_arguments`, which checked the arguments."""
-    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound = _signature(fn).bind(*args, **kwargs)
     non_split, axes = set(non_split), dict(axes or {})
     for name, value in bound.arguments.items():
         if name in non_split or skip(value):
@@ -57,6 +59,20 @@ def batch_samples(fn: Callable, args: tuple, kwargs: dict, *, skip: Callable[[An
             if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
                 return int(leaf.shape[axes.get(name, 0)])
     return None
+
+
+_SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _signature(fn: Callable) -> inspect.Signature:
+    """``inspect.signature(fn)``, read once per step function (it walks the function's code)."""
+    try:
+        signature = _SIGNATURES.get(fn)
+    except TypeError:  # a callable that takes no weak reference
+        return inspect.signature(fn)
+    if signature is None:
+        signature = _SIGNATURES[fn] = inspect.signature(fn)
+    return signature
 
 
 def _split_value(name: str, value: Any, microbatches: int, axis: int) -> list[Any]:

@@ -43,7 +43,13 @@ from smpart.runtime.program.glue import (
     send_final_leaves,
 )
 from smpart.runtime.program.messages import ProgramAbort, Transfers
-from smpart.runtime.program.templates import UNPREDICTABLE, Diverged, call_key, spec_from_state, spec_state
+from smpart.runtime.program.templates import (
+    Diverged,
+    OutputTemplate,
+    call_key,
+    spec_from_state,
+    spec_state,
+)
 from smpart.runtime.reference import calls
 from smpart.runtime.reference.calls import current_frame, running
 from smpart.runtime.reference.scheduler import Cancelled
@@ -373,7 +379,7 @@ class RankRun:
         """A whole module this rank ran must return what the other ranks' placeholders say."""
         key = call_key(staged.model, staged.name, args, kwargs)
         template = self.templates.get(key)
-        if template is None or template == UNPREDICTABLE or not template.matches(output):
+        if type(template) is not OutputTemplate or not template.matches(output):  # None, UNPREDICTABLE
             raise Diverged(
                 f"module {staged.name!r} returned {_outline(output)}, not what the recorded step "
                 "returned for such arguments (an output shape that depends on the data?)"

@@ -49,7 +49,7 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from smpart.errors import SmpartError
-from smpart.runtime.ambient import capture
+from smpart.runtime.ambient import ambient_key
 from smpart.runtime.placement.place import changed_buffer
 from smpart.runtime.program.placeholder import METADATA, LazyNode, Placeholder, holders, lowest, meta_of
 from smpart.runtime.program.templates import UNPREDICTABLE, Diverged, OutputTemplate, call_key
@@ -212,6 +212,9 @@ class MicrobatchRun:
     def mark(self, value: Any, avail: int) -> None:
         """Note that the tensors in ``value`` (made here) are held by ``avail``."""
         at = (avail, self.count, self)
+        if type(value) is torch.Tensor:  # most outputs: no walk
+            value.__dict__[_AT] = at
+            return
         for t in _tensors(value):
             if type(t) is not Placeholder:
                 t.__dict__[_AT] = at
@@ -262,26 +265,34 @@ class MicrobatchRun:
     def operate(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """One torch operation of the glue. What happens depends only on what every rank knows
         alike (the operation, which ranks hold its inputs), so every rank makes the same transfers."""
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = _KINDS[func] = _kind_of(func)
         tensors = _operands(args, kwargs)
-        if func in RANDOM:
+        if kind == _RANDOM:
             return self._random(func, args, kwargs, tensors)
         if not tensors:
             return func(*args, **kwargs)
-        everyone = self.rank.everyone
+        rank = self.rank
+        everyone = rank.everyone
         mask = everyone
         swap = False
-        for t in tensors:
-            mask &= self.avail(t)
-            swap = swap or type(t) is Placeholder
+        for t in tensors:  # `avail`, inlined: every glue operation asks it of every operand
+            if type(t) is Placeholder:
+                mask &= t._avail
+                swap = True
+            else:
+                at = t.__dict__.get(_AT)
+                mask &= at[0] if at is not None and at[2] is self else rank.owners.get(id(t), everyone)
         if mask == everyone:  # every rank holds every input, and computes it
             return func(*args, **kwargs) if not swap else self._here(func, args, kwargs)
-        if func in NEEDS or "out" in kwargs or _data_dependent(func, args):
+        if kind == _NEEDS or (kwargs and "out" in kwargs) or (kind == _DATA and _data_dependent(func, args)):
             for t in tensors:  # Python, or the shape of the result, needs the values: every rank gets them
                 self.need_everywhere(t)
             return self._here(func, args, kwargs)
-        if func in SHAPE_ONLY:
+        if kind == _SHAPE_ONLY:
             return func(*_swap_placeholders(args, _stand_in), **_swap_placeholders(kwargs, _stand_in))
-        if _in_place(func):
+        if kind == _IN_PLACE:
             return self._in_place(func, args, kwargs, tensors, mask)
         if mask >> self.me & 1:
             out = self._here(func, args, kwargs) if swap else func(*args, **kwargs)
@@ -326,6 +337,10 @@ class MicrobatchRun:
         self.sites += 1
         kept = self.rank.kept_placeholders.get(site)
         if kept is not None and kept[0] is template:
+            if node is None and template.single:  # a module's one output: `refill`, inlined
+                m = kept[1][0]
+                m._avail, m._pos, m._run, m._value, m._node, m._index = avail, self.count, self, None, None, 0
+                return m
             return template.refill(kept[1], avail, self.count, self, node)
         out = template.placeholders(avail, self.count, self, self.rank.device, node)
         made = [out] if template.single else [t for t in pytree.tree_leaves(out) if type(t) is Placeholder]
@@ -491,7 +506,7 @@ class MicrobatchRun:
     def glue_call(self, staged: Any, args: tuple, kwargs: dict) -> Any:
         """A module called from the glue: a split one runs its forward here as glue; a whole one
         runs on its rank, and returns placeholders on the others."""
-        key = (staged.model, staged.name)
+        key = staged.key
         owner = self.rank.whole.get(key)
         if owner is None:
             buffers = self.rank.recomputed.get(key)
@@ -501,10 +516,13 @@ class MicrobatchRun:
                     f"{changed!r} since it was placed: the ranks' copies may differ"
                 )
             return staged.run_here(self.frame, args, kwargs)
-        with _no_glue_mode():  # what follows is smpart's own work, or the module's on this rank
+        modes = _pop_modes()  # what follows is smpart's own work, or the module's on this rank
+        try:
             if owner != self.me:
                 return self._called_elsewhere(staged, owner, args, kwargs)
             return self._called_here(staged, args, kwargs)
+        finally:
+            _push_modes(modes)
 
     def _called_elsewhere(self, staged: Any, owner: int, args: tuple, kwargs: dict) -> Any:
         if streams.live is not None:  # a split region ends where the call leaves this rank (`streams`)
@@ -515,35 +533,40 @@ class MicrobatchRun:
             self.make_available(owner, t)
         key = call_key(staged.model, staged.name, args, kwargs)
         template = rank.templates.get(key)
+        if type(template) is OutputTemplate:
+            return self._placeholders(template, 1 << owner)
         if template == UNPREDICTABLE:
             raise Diverged(
                 f"module {staged.name!r} returned outputs of other shapes in other micro-batches "
                 "(shapes that depend on the data): the ranks that do not hold it cannot stand in for them"
             )
-        if template is None and (staged.model, staged.name) in rank.varies:
+        if staged.key in rank.varies:
             raise Diverged(
                 f"module {staged.name!r} is called with shapes that depend on the data (they "
                 "differed between micro-batches: routing across stages by the data)"
             )
-        if template is None:
-            raise Diverged(
-                f"no recorded output for module {staged.name!r} called with "
-                f"{_brief_signature(key[2])} (a new shape): recording it",
-                rerecord=True,
-            )
-        return self._placeholders(template, 1 << owner)
+        raise Diverged(
+            f"no recorded output for module {staged.name!r} called with "
+            f"{_brief_signature(key[2])} (a new shape): recording it",
+            rerecord=True,
+        )
 
     def _called_here(self, staged: Any, args: tuple, kwargs: dict) -> Any:
         rank = self.rank
         self.event(("call", staged.name, self.me))
         leaves = _operands(args, kwargs)
         if leaves:
+            me, device = self.me, rank.device
+            swap = moved = False
             for t in leaves:
-                self.make_available(self.me, t)
-            if any(type(t) is Placeholder for t in leaves):
+                self.make_available(me, t)
+                if type(t) is Placeholder:
+                    swap = True
+                elif t.device != device:  # the body's own tensors (a batch on the CPU)
+                    moved = True
+            if swap:
                 args, kwargs = _swap_placeholders((args, kwargs), self.real)
-            device = rank.device
-            if any(t.device != device for t in leaves):  # the body's own tensors (a batch on the CPU)
+            if moved:
                 args, kwargs = _moved_to((args, kwargs), device)
         self.flush_sends()  # the ranks waiting for what this one sent need not wait for its work too
         self.structure.append(("compute",))
@@ -689,12 +712,23 @@ class _no_glue_mode:  # noqa: N801 - used like a function: ``with _no_glue_mode(
     __slots__ = ("modes",)
 
     def __enter__(self) -> None:
-        depth = torch._C._len_torch_function_stack()
-        self.modes = [torch._C._pop_torch_function_stack() for _ in range(depth)]
+        self.modes = _pop_modes()
 
     def __exit__(self, *exc: object) -> None:
-        for mode in reversed(self.modes):
-            torch._C._push_on_torch_function_stack(mode)
+        _push_modes(self.modes)
+
+
+def _pop_modes() -> tuple | list:
+    """Take every torch-function mode off this thread (`_push_modes` puts them back)."""
+    depth = torch._C._len_torch_function_stack()
+    if depth == 1:  # the glue's mode alone: every module call of the glue comes here
+        return (torch._C._pop_torch_function_stack(),)
+    return [torch._C._pop_torch_function_stack() for _ in range(depth)]
+
+
+def _push_modes(modes: tuple | list) -> None:
+    for mode in reversed(modes):
+        torch._C._push_on_torch_function_stack(mode)
 
 
 _LEAVES = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size,
@@ -729,16 +763,21 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 def _operands(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors among a call's arguments, as `_tensors` finds them; the common case (no
-    keywords, no containers) in one pass: every glue operation and module call asks."""
-    if kwargs:
-        return _tensors((args, kwargs))
+    containers, keywords of plain values) in one pass: every glue operation and module call asks."""
     found = []
     for a in args:
         kind = type(a)
         if kind in _TENSOR_KINDS:
             found.append(a)
         elif kind not in _LEAVES:
-            return _tensors(args)
+            return _tensors((args, kwargs))
+    if kwargs:
+        for a in kwargs.values():
+            kind = type(a)
+            if kind in _TENSOR_KINDS:
+                found.append(a)
+            elif kind not in _LEAVES:
+                return _tensors((args, kwargs))
     return found
 
 
@@ -820,11 +859,14 @@ def _meta_key(func: Any, args: tuple, kwargs: dict) -> Any:
     """What decides an operation's output shapes: the function, its arguments' shapes, strides,
     dtypes and plain values, grad mode and autocast (None: not worth a key)."""
     try:
-        key = (func, _shape_key(args), _shape_key(kwargs), capture())
+        key = (func, _shape_key(args), _shape_key(kwargs) if kwargs else (), ambient_key())
         hash(key)
     except (TypeError, _NoKey):
         return None
     return key
+
+
+_NUMBERS = frozenset({int, float, bool, type(None)})
 
 
 class _NoKey(Exception):
@@ -834,7 +876,18 @@ class _NoKey(Exception):
 def _shape_key(value: Any) -> Any:
     kind = type(value)
     if kind is tuple or kind is list:
-        return (kind is list, *[_shape_key(v) for v in value])
+        out: list[Any] = [kind is list]
+        for v in value:  # a flat tuple of tensors and numbers in this loop: every lazy operation asks
+            k = type(v)
+            if k is Placeholder:
+                out.append((v._sig, v._stride))
+            elif k in _TENSOR_KINDS:
+                out.append((v.shape, v.stride(), v.dtype, v.requires_grad))
+            elif k in _NUMBERS:
+                out.append(v)
+            else:
+                out.append(_shape_key(v))
+        return tuple(out)
     if kind is dict:
         return tuple((k, _shape_key(v)) for k, v in value.items())
     if kind is Placeholder:
@@ -844,6 +897,26 @@ def _shape_key(value: Any) -> Any:
     if value is None or boundary.is_plain(kind) or kind is slice:
         return value if kind is not slice else (value.start, value.stop, value.step)
     raise _NoKey
+
+
+#: What `operate` does with an operation beyond computing it where its inputs are (`_kind_of`),
+#: kept per function: every glue operation asks.
+_PLAIN, _RANDOM, _NEEDS, _DATA, _SHAPE_ONLY, _IN_PLACE = range(6)
+_KINDS: dict[Any, int] = {}
+
+
+def _kind_of(func: Any) -> int:
+    if func in RANDOM:
+        return _RANDOM
+    if func in NEEDS:
+        return _NEEDS
+    if func in _DATA_DEPENDENT or func is torch.where or func is _T.__getitem__:
+        return _DATA  # `_data_dependent` looks at the arguments
+    if func in SHAPE_ONLY:
+        return _SHAPE_ONLY
+    if _in_place(func):
+        return _IN_PLACE
+    return _PLAIN
 
 
 def _in_place(func: Any) -> bool:

@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from smpart.errors import SmpartError
-from smpart.runtime.ambient import capture
+from smpart.runtime.ambient import ambient_key
 from smpart.runtime.program.placeholder import Placeholder
 from smpart.runtime.reference import boundary
 
@@ -180,7 +180,27 @@ def _leaf_template(leaf: Any) -> Any:
 def call_key(model: int, name: str, args: tuple, kwargs: dict) -> tuple:
     """What a call's template is kept under: the module, its arguments' signature, and the grad
     mode and autocast it runs under (an output requires grad, or comes out in bfloat16, by them)."""
-    return (model, name, signature((args, kwargs)), capture())
+    return (model, name, _arguments(args, kwargs), ambient_key())
+
+
+def _arguments(args: tuple, kwargs: dict) -> tuple:
+    """``signature((args, kwargs))``, without its two recursive calls when there are no keywords:
+    every module call of a step program asks, on the rank running it and on the others."""
+    if kwargs:
+        return signature((args, kwargs))
+    out: list[Any] = [type(args).__name__]
+    for v in args:
+        kind = type(v)
+        if kind is Placeholder:
+            out.append(v._sig)
+        elif kind in _PLAIN_TENSORS:
+            out.append(("T", tuple(v.shape), v.dtype, v.requires_grad))
+        else:
+            out.append(signature(v))
+    return ("tuple", tuple(out), _NO_KEYWORDS)
+
+
+_NO_KEYWORDS = ("dict",)
 
 
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})

@@ -124,6 +124,8 @@ class StagedForward(WrappedForward):
         self.model = model
         self.name = name
         self.stage = stage
+        #: The module's key in a program's tables (`program.glue`), made once.
+        self.key = (model, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         frame = getattr(_local, "frame", None)

@@ -14,7 +14,10 @@ with a thread per stage (the default), and the reference runtime with programs o
 over ``--steps`` after warm-up, the configurations alternating over ``--rounds``, each one's
 ratios to an unsplit step measured right before it (this box's speed drifts from minute to minute).
 
-    .venv/bin/python bench/host_overhead.py [--stages 2 4] [--steps 20] [--rounds 2]
+``--bytecodes`` counts instead the Python bytecodes of one step (the program with every stage on one
+thread, and the unsplit model): what smpart adds to the host's Python, the same on every run.
+
+    .venv/bin/python bench/host_overhead.py [--stages 2 4] [--steps 20] [--rounds 2] [--bytecodes]
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import copy
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -66,7 +71,30 @@ def _median_ms(step, steps: int) -> tuple[float, float]:
     return statistics.median(times) * 1e3, statistics.median(cpu) * 1e3
 
 
-def unsplit_ms(example, steps: int) -> tuple[float, float]:
+def _bytecodes(step) -> int:
+    """Python bytecodes one ``step`` runs on this thread, after warm-up (``sys.settrace``'s opcode
+    events; a step program's greenlets run on it too): the host's Python work, without this box's
+    noise. Not its time: a bytecode of smpart's glue costs more than one of a model's forward."""
+    for _ in range(WARMUP_STEPS):
+        step()
+    count = 0
+
+    def trace(frame, event, arg):
+        nonlocal count
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        step()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def unsplit_step(example):
     model = copy.deepcopy(example.model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     args, _, target = example.batch(BATCH, seed=0)
@@ -76,11 +104,16 @@ def unsplit_ms(example, steps: int) -> tuple[float, float]:
         opt.step()
         opt.zero_grad()
 
-    return _median_ms(step, steps)
+    return step
 
 
-def smpart_ms(example, steps: int, stages: int, schedule: str, pins: dict[str, int],
-              runtime: str = "program, one thread") -> tuple[float, float]:
+def unsplit_ms(example, steps: int) -> tuple[float, float]:
+    return _median_ms(unsplit_step(example), steps)
+
+
+@contextmanager
+def smpart_step(example, stages: int, schedule: str, pins: dict[str, int], runtime: str) -> Iterator:
+    """smpart's training step on threads (``runtime``: a key of `RUNTIMES`), set up and shut down."""
     smpart.init(pipeline_parallel_degree=stages, microbatches=MICROBATCHES, pipeline=schedule, pin=pins,
                 **RUNTIMES[runtime])
     try:
@@ -99,9 +132,32 @@ def smpart_ms(example, steps: int, stages: int, schedule: str, pins: dict[str, i
             opt.step()
             opt.zero_grad()
 
-        return _median_ms(step, steps)
+        yield step
     finally:
         smpart.shutdown()
+
+
+def smpart_ms(example, steps: int, stages: int, schedule: str, pins: dict[str, int],
+              runtime: str = "program, one thread") -> tuple[float, float]:
+    with smpart_step(example, stages, schedule, pins, runtime) as step:
+        return _median_ms(step, steps)
+
+
+def print_bytecodes(example, stage_counts: list[int], pins: dict[int, dict[str, int]]) -> None:
+    """The ``--bytecodes`` table: the program on one thread (every stage's Python runs on it)."""
+    base = _bytecodes(unsplit_step(example))
+    table = Table(title=f"Python bytecodes a step (one thread; {MICROBATCHES} micro-batches), GPT-2 small's "
+                        f"module tree at width {TINY['n_embd']}")
+    for column in ("configuration", "bytecodes", "÷ unsplit", "added / micro-batch"):
+        table.add_column(column, justify="left" if column == "configuration" else "right")
+    table.add_row("unsplit", f"{base:,}", "1.00", "")
+    for stages in stage_counts:
+        for schedule in ("gpipe", "1f1b"):
+            with smpart_step(example, stages, schedule, pins[stages], "program, one thread") as step:
+                count = _bytecodes(step)
+            table.add_row(f"smpart, {stages} stages, {schedule}, program, one thread", f"{count:,}",
+                          f"{count / base:.2f}", f"{(count - base) // MICROBATCHES:,}")
+    Console().print(table)
 
 
 def main() -> None:
@@ -110,12 +166,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of every configuration")
     parser.add_argument("--batch", type=int, default=16, help="full-size batch the partition is traced for")
+    parser.add_argument("--bytecodes", action="store_true",
+                        help="count the Python bytecodes of one step instead of timing (no noise)")
     a = parser.parse_args()
     torch.set_num_threads(1)
     example = gpt2_small(**TINY)
     configs = [(stages, schedule, runtime) for stages in a.stages for schedule in ("gpipe", "1f1b")
                for runtime in RUNTIMES]
     pins = {stages: full_size_partition(stages, a.batch) for stages in a.stages}
+    if a.bytecodes:
+        print_bytecodes(example, a.stages, pins)
+        return
     # The unsplit step is measured next to every configuration, and each ratio is of that pair:
     # this box's speed drifts by tens of percent between minutes, which a single baseline would add.
     unsplit: list[tuple[float, float]] = []

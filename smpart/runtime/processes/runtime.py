@@ -300,7 +300,7 @@ class ProcessRuntime(Runtime):
     # ================================================================ train / eval
     def training_modes(self) -> dict[int, bytes]:
         """The ``training`` flag of every module of every placed model, as the step body sees them."""
-        return {model_id: bytes(m.training for m in model.module.modules())
+        return {model_id: bytes(m.training for m in _modules(model))
                 for model_id, model in self.models.items()}
 
     def take_training_modes(self, begin: Any) -> None:
@@ -308,10 +308,11 @@ class ProcessRuntime(Runtime):
         ``model.eval()`` called there alone (inside ``if smpart.rank() == 0:``) holds for every stage."""
         for model_id, modes in (begin.modes or {}).items():
             model = self.models.get(model_id)
-            modules = list(model.module.modules()) if model is not None else []
+            modules = _modules(model) if model is not None else []
             if len(modules) == len(modes):
                 for module, training in zip(modules, modes, strict=True):
-                    module.training = bool(training)
+                    if module.training != training:  # nn.Module's __setattr__ is slow: every step
+                        module.training = bool(training)
 
     # ================================================================ data parallelism
     def _begin_gradient_sync(self) -> None:
@@ -633,3 +634,10 @@ def _shippable(error: BaseException | None, rank: int) -> BaseException | None:
     if error is None or isinstance(error, SmpartError):
         return error
     return PipelineError(f"the step failed on rank {rank}: {type(error).__name__}: {error}", rank=rank)
+
+
+def _modules(model: Any) -> list[torch.nn.Module]:
+    """The modules of a placed model, in ``modules()`` order: its step programs' list once it has
+    them (read every step), else walked."""
+    programs = getattr(model, "_programs", None)
+    return programs.modules if programs is not None else list(model.module.modules())

@@ -750,7 +750,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
             todo.extend(reversed(v))
         elif kind is dict:
             todo.extend(reversed(v.values()))
-        elif kind in _LEAVES:
+        elif kind in _LEAVES or (kind in _OPAQUE and len(pytree.SUPPORTED_NODES) == _OPAQUE_NODES[0]):
             continue
         elif isinstance(v, torch.Tensor):
             found.append(v)
@@ -758,7 +758,24 @@ def _tensors(value: Any) -> list[torch.Tensor]:
             leaves = pytree.tree_leaves(v)
             if len(leaves) != 1 or leaves[0] is not v:
                 todo.extend(reversed(leaves))
+            else:
+                _note_opaque(kind)
     return found
+
+
+#: Types pytree takes for leaves that are not tensors (a `DistributedModel` among a step's
+#: arguments, an object of the user's): asked once per type, not at every call. pytree decides
+#: by type; a type registered with it since makes the set stale (`_note_opaque` empties it).
+_OPAQUE: set[type] = set()
+_OPAQUE_NODES = [0]  # how many node types pytree knew when `_OPAQUE` was filled
+
+
+def _note_opaque(kind: type) -> None:
+    nodes = len(pytree.SUPPORTED_NODES)
+    if nodes != _OPAQUE_NODES[0]:
+        _OPAQUE.clear()
+        _OPAQUE_NODES[0] = nodes
+    _OPAQUE.add(kind)
 
 
 def _operands(args: tuple, kwargs: dict) -> list[torch.Tensor]:

@@ -34,9 +34,12 @@ A rank that meets something else than the recorded program (another module, a tr
 others do not make) raises `Diverged` before it sends or waits: the step then runs on the
 reference runtime (`guards`).
 
-The file is long (800 lines) because `MicrobatchRun` is one state machine over one micro-batch's
+The file is long (950 lines) because `MicrobatchRun` is one state machine over one micro-batch's
 body (avail sets, transfers, roots and leaves, the placeholder evaluation): split, its rules
-would be read in pieces that only make sense together.
+would be read in pieces that only make sense together. Every glue operation and module call of
+every rank runs through it, so its hot paths are written for the interpreter (one loop over the
+operands, kinds of operation looked up once per function): `bench/host_overhead.py --bytecodes`
+counts what they cost.
 """
 
 from __future__ import annotations

@@ -164,8 +164,10 @@ class StagedForward(WrappedForward):
         return self._forward(frame, args, kwargs)
 
     def _forward(self, frame: Frame | None, args: tuple, kwargs: dict) -> Any:
-        try:
-            return self.original(*args, **kwargs)
+        try:  # `original`, inlined: every module a program step runs whole comes here
+            if self.instance_forward is not None:
+                return self.instance_forward(*args, **kwargs)
+            return type(self.module).forward(self.module, *args, **kwargs)
         except Exception as err:
             if frame is not None:
                 mark_origin(err, frame.stage, self.name, frame.microbatch)

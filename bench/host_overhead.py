@@ -15,7 +15,9 @@ over ``--steps`` after warm-up, the configurations alternating over ``--rounds``
 ratios to an unsplit step measured right before it (this box's speed drifts from minute to minute).
 
 ``--bytecodes`` counts instead the Python bytecodes of one step (the program with every stage on one
-thread, and the unsplit model): what smpart adds to the host's Python, the same on every run.
+thread, and the unsplit model): what smpart adds to the host's Python, the same on every run; and
+the same with the partition cut between transformer blocks (`whole_blocks`), for what a block
+split across stages costs.
 
     .venv/bin/python bench/host_overhead.py [--stages 2 4] [--steps 20] [--rounds 2] [--bytecodes]
 """
@@ -152,12 +154,27 @@ def print_bytecodes(example, stage_counts: list[int], pins: dict[int, dict[str, 
         table.add_column(column, justify="left" if column == "configuration" else "right")
     table.add_row("unsplit", f"{base:,}", "1.00", "")
     for stages in stage_counts:
+        cuts = {"": pins[stages], ", cut between blocks": whole_blocks(pins[stages])}
         for schedule in ("gpipe", "1f1b"):
-            with smpart_step(example, stages, schedule, pins[stages], "program, one thread") as step:
-                count = _bytecodes(step)
-            table.add_row(f"smpart, {stages} stages, {schedule}, program, one thread", f"{count:,}",
-                          f"{count / base:.2f}", f"{(count - base) // MICROBATCHES:,}")
+            for cut, pinned in cuts.items():
+                with smpart_step(example, stages, schedule, pinned, "program, one thread") as step:
+                    count = _bytecodes(step)
+                table.add_row(f"smpart, {stages} stages, {schedule}, program, one thread{cut}", f"{count:,}",
+                              f"{count / base:.2f}", f"{(count - base) // MICROBATCHES:,}")
     Console().print(table)
+
+
+def whole_blocks(pins: dict[str, int]) -> dict[str, int]:
+    """The partition with every transformer block it splits given whole to the block's own stage
+    (where its own load went). A block split across stages runs its forward as glue on each of
+    them, placeholders where the other holds the data (`smpart.runtime.program.glue`): the rows
+    with this cut show what that costs the host, for a worse balance of the compute at full size."""
+    out = dict(pins)
+    for block in {".".join(name.split(".")[:3]) for name in pins if name.startswith("transformer.h.")}:
+        for name in pins:
+            if name.startswith(block + "."):
+                out[name] = pins[block]
+    return out
 
 
 def main() -> None:

@@ -340,9 +340,14 @@ class MicrobatchRun:
         self.sites += 1
         kept = self.rank.kept_placeholders.get(site)
         if kept is not None and kept[0] is template:
-            if node is None and template.single:  # a module's one output: `refill`, inlined
+            if template.single:  # one output, the most common: `refill`, inlined
                 m = kept[1][0]
-                m._avail, m._pos, m._run, m._value, m._node, m._index = avail, self.count, self, None, None, 0
+                m._avail, m._pos, m._run, m._value = avail, self.count, self, None
+                if node is None:
+                    m._node, m._index = None, 0
+                else:
+                    m._node, m._index = node, len(node.outputs)
+                    node.outputs.append(m)
                 return m
             return template.refill(kept[1], avail, self.count, self, node)
         out = template.placeholders(avail, self.count, self, self.rank.device, node)

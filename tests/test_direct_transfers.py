@@ -258,5 +258,5 @@ def test_two_ranks_agree_on_a_route_only_where_both_ends_noted_the_same_messages
 def test_a_message_lays_its_tensors_out_where_any_dtype_can_view_them():
     message = (("F", 0, 0), (3,), torch.float32, False), (("F", 0, 1), None, None, False), \
         (("F", 0, 2), (2,), torch.float64, False), (("F", 0, 3), (5,), torch.bool, False)
-    offsets, end = routes._layout(message)
-    assert offsets == [0, None, 16, 32] and end == 37
+    offsets, sizes, end = routes._layout(message)
+    assert offsets == [0, None, 16, 32] and sizes == [12, 0, 16, 5] and end == 37

@@ -130,20 +130,31 @@ class Route:
         self.came = came
         self.where = {entry[0]: (src, n, j) for src, messages in came.items()
                       for n, message in enumerate(messages) for j, entry in enumerate(message)}
+        #: Each message's `Layout`, made once: a program's route serves every step it runs.
+        self.to_layouts = {peer: [_layout(m) for m in messages] for peer, messages in to.items()}
+        self.came_layouts = {peer: [_layout(m) for m in messages] for peer, messages in came.items()}
 
 
-def _layout(message: Message) -> tuple[list[int | None], int]:
-    """Each tensor's offset in the message's buffer (None: a None) and the bytes before the flag."""
+#: A message's buffer: each tensor's offset (None: a None), its bytes, and the bytes before the flag.
+Layout = tuple[list[int | None], list[int], int]
+
+
+def _layout(message: Message) -> Layout:
+    """Each tensor's offset in the message's buffer (None: a None), its bytes, and the bytes
+    before the flag."""
     offsets: list[int | None] = []
+    sizes: list[int] = []
     end = 0
     for entry in message:
         if entry[1] is None:
             offsets.append(None)
+            sizes.append(0)
             continue
         start = -(-end // _ALIGN) * _ALIGN
         offsets.append(start)
-        end = start + _nbytes(entry)
-    return offsets, end
+        sizes.append(_nbytes(entry))
+        end = start + sizes[-1]
+    return offsets, sizes, end
 
 
 class _Posted:
@@ -171,6 +182,8 @@ class DirectWire(ProcessWire):
         self.posted: dict[tuple[int, int], _Posted] = {}
         self.taken: set[tuple] = set()
         self.in_flight: list[tuple[int, list, tuple]] = []
+        #: Each peer's process rank, asked once (every message asks).
+        self.places = {peer: self.place_of(peer) for peer in (*route.to, *route.came)}
 
     # ---------------------------------------------------------------- sending
     def send(self, to: int, items: list[tuple]) -> None:
@@ -191,10 +204,11 @@ class DirectWire(ProcessWire):
     def _post_send(self, to: int, n: int, tensors: list[torch.Tensor | None] | None, flag: int) -> None:
         """Post message ``n`` to ``to``: ``tensors``, or (None) the message's size in no data."""
         message = self.route.to[to][n]
-        offsets, end = _layout(message)
-        place, tag = self.place_of(to), _TAG_BASE + (n << 10)
+        offsets, sizes, end = self.route.to_layouts[to][n]
+        place, tag = self.places[to], _TAG_BASE + (n << 10)
         if tensors is None:  # giving up: what the message weighs, and the flag says why
-            tensors = [None if e[1] is None else torch.empty(_nbytes(e), dtype=torch.uint8) for e in message]
+            tensors = [None if e[1] is None else torch.empty(size, dtype=torch.uint8)
+                       for e, size in zip(message, sizes, strict=True)]
         data = [None if t is None else frames.to_wire(t) for t in tensors]
         if end < COPY_LIMIT:
             whole = torch.cat(_packed(data, offsets, flag))
@@ -227,23 +241,25 @@ class DirectWire(ProcessWire):
     def _post_through(self, src: int, last: int) -> None:
         messages = self.route.came.get(src, [])
         n = self.next_post.get(src, 0)
-        place = self.place_of(src)
+        if n > min(last, len(messages) - 1):
+            return
+        place, layouts = self.places[src], self.route.came_layouts[src]
         while n <= min(last, len(messages) - 1):
-            self.posted[(src, n)] = self._post_receive(place, messages[n], _TAG_BASE + (n << 10))
+            self.posted[(src, n)] = self._post_receive(place, messages[n], layouts[n], _TAG_BASE + (n << 10))
             n += 1
         self.next_post[src] = n
 
-    def _post_receive(self, place: int, message: Message, tag: int) -> _Posted:
-        offsets, end = _layout(message)
+    def _post_receive(self, place: int, message: Message, layout: Layout, tag: int) -> _Posted:
+        offsets, sizes, end = layout
         if end < COPY_LIMIT:
             buffer = torch.empty(end + 1, dtype=torch.uint8)
             works = [self.channel.receive(place, buffer, tag)]
-            views = [None if at is None else buffer[at: at + _nbytes(e)] for e, at in zip(message, offsets,
-                                                                                          strict=True)]
+            views = [None if at is None else buffer[at: at + size] for at, size in zip(offsets, sizes,
+                                                                                       strict=True)]
             flag = buffer[end:]
         else:
-            views = [None if at is None else torch.empty(_nbytes(e), dtype=torch.uint8)
-                     for e, at in zip(message, offsets, strict=True)]
+            views = [None if at is None else torch.empty(size, dtype=torch.uint8)
+                     for at, size in zip(offsets, sizes, strict=True)]
             flag = torch.empty(1, dtype=torch.uint8)
             works = [self.channel.receive(place, v, tag + j) for j, v in enumerate(views)
                      if v is not None and v.numel()]
@@ -253,7 +269,7 @@ class DirectWire(ProcessWire):
         return _Posted(works, tensors, flag)
 
     def _wait(self, posted: _Posted, src: int, key: tuple) -> None:
-        place = self.place_of(src)
+        place = self.places[src]
         for work in posted.works:
             self.channel.wait(work, place, f"{describe_key(key)} from pipeline rank {src}")
         posted.works = []

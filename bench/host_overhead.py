@@ -47,6 +47,7 @@ from bench.backward_work import (  # noqa: E402
     accumulate_microbatches,
     full_size_partition,
 )
+from bench.bytecodes import count_bytecodes  # noqa: E402
 from examples.models import gpt2_small  # noqa: E402
 
 BATCH = 2 * MICROBATCHES
@@ -71,29 +72,6 @@ def _median_ms(step, steps: int) -> tuple[float, float]:
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
     return statistics.median(times) * 1e3, statistics.median(cpu) * 1e3
-
-
-def _bytecodes(step) -> int:
-    """Python bytecodes one ``step`` runs on this thread, after warm-up (``sys.settrace``'s opcode
-    events; a step program's greenlets run on it too): the host's Python work, without this box's
-    noise. Not its time: a bytecode of smpart's glue costs more than one of a model's forward."""
-    for _ in range(WARMUP_STEPS):
-        step()
-    count = 0
-
-    def trace(frame, event, arg):
-        nonlocal count
-        frame.f_trace_opcodes = True
-        if event == "opcode":
-            count += 1
-        return trace
-
-    sys.settrace(trace)
-    try:
-        step()
-    finally:
-        sys.settrace(None)
-    return count
 
 
 def unsplit_step(example):
@@ -147,7 +125,7 @@ def smpart_ms(example, steps: int, stages: int, schedule: str, pins: dict[str, i
 
 def print_bytecodes(example, stage_counts: list[int], pins: dict[int, dict[str, int]]) -> None:
     """The ``--bytecodes`` table: the program on one thread (every stage's Python runs on it)."""
-    base = _bytecodes(unsplit_step(example))
+    base = count_bytecodes(unsplit_step(example), WARMUP_STEPS)
     table = Table(title=f"Python bytecodes a step (one thread; {MICROBATCHES} micro-batches), GPT-2 small's "
                         f"module tree at width {TINY['n_embd']}")
     for column in ("configuration", "bytecodes", "÷ unsplit", "added / micro-batch"):
@@ -158,7 +136,7 @@ def print_bytecodes(example, stage_counts: list[int], pins: dict[int, dict[str, 
         for schedule in ("gpipe", "1f1b"):
             for cut, pinned in cuts.items():
                 with smpart_step(example, stages, schedule, pinned, "program, one thread") as step:
-                    count = _bytecodes(step)
+                    count = count_bytecodes(step, WARMUP_STEPS)
                 table.add_row(f"smpart, {stages} stages, {schedule}, program, one thread{cut}", f"{count:,}",
                               f"{count / base:.2f}", f"{(count - base) // MICROBATCHES:,}")
     Console().print(table)

@@ -154,8 +154,9 @@ def timed(one_step: Any, warmup: int, steps: int, usage: dict[str, float] | None
     return times
 
 
-def run_torch(rank: int, schedule: str, warmup: int, steps: int) -> dict[str, Any]:
-    """torch.distributed.pipelining over hand-built stages on the pool's default (gloo) group."""
+def run_torch(rank: int, schedule: str, warmup: int, steps: int, count: bool = False) -> dict[str, Any]:
+    """torch.distributed.pipelining over hand-built stages on the pool's default (gloo) group;
+    ``count``: the bytecodes of one step after ``warmup`` (`bench.bytecodes`) instead of times."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     if schedule == "interleaved":  # four stages of two blocks, rank r holding r and r + 2
@@ -189,6 +190,12 @@ def run_torch(rank: int, schedule: str, warmup: int, steps: int) -> dict[str, An
         opt.zero_grad()
 
     dist.barrier()
+    if count:
+        from bench.bytecodes import count_bytecodes
+
+        counted = count_bytecodes(one_step, warmup)
+        dist.barrier()
+        return {"bytecodes": counted}
     usage: dict[str, float] = {}
     times = timed(one_step, warmup, steps, usage)
     dist.barrier()

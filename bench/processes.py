@@ -64,10 +64,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smpart  # noqa: E402
+from bench.bytecodes import count_bytecodes  # noqa: E402
 from bench.mlp_pipeline import (  # noqa: E402
     BATCH,
     BLOCKS,
@@ -91,11 +94,13 @@ from bench.rank_pool import RankPool  # noqa: E402
 
 
 def run_smpart(rank: int | None, schedule: str, warmup: int, steps: int,
-               halves: bool = False, reference: bool = False, framed: bool = False) -> dict[str, Any]:
+               halves: bool = False, reference: bool = False, framed: bool = False,
+               count: bool = False) -> dict[str, Any]:
     """smpart's step on whatever this process is (a rank of the pool, or threads when ``rank`` is
     None); step times are those of the driver (rank 0). ``reference``: every step on the
     reference runtime (step programs off); ``framed``: programs whose tensors stay the transport's
-    messages (``direct_transfers=False``); schedule ``interleaved``: 1f1b over virtual stages."""
+    messages (``direct_transfers=False``); schedule ``interleaved``: 1f1b over virtual stages;
+    ``count``: the bytecodes of one step after ``warmup`` (`bench.bytecodes`) instead of times."""
     interleaved = schedule == "interleaved"
     pins = HALVES_PINS if halves else INTERLEAVED_PINS if interleaved else PINS
     smpart.init(pipeline_parallel_degree=STAGES, microbatches=MICROBATCHES, pin=pins, timeout_s=120,
@@ -113,6 +118,11 @@ def run_smpart(rank: int | None, schedule: str, warmup: int, steps: int,
             opt.zero_grad()
             outputs.append(out)
 
+        if count:
+            counted = count_bytecodes(one_step, warmup)
+            if rank is not None:
+                dist.barrier()
+            return {"bytecodes": counted}
         usage: dict[str, float] = {}
         times = timed(one_step, warmup, steps, usage)
         last = outputs[-1:]
@@ -223,6 +233,23 @@ def _print_roles(roles: dict[tuple[str, str], list[list[dict[str, list[float]]]]
             print(f"  {name + ' ' + schedule:<24} rank {rank}: " + ", ".join(cells))
 
 
+def print_bytecodes(warmup: int) -> None:
+    """The ``--bytecodes`` table: each rank's main thread, one step after ``warmup``."""
+    table = Table(title=f"Python bytecodes of one step on each rank's main thread (MLP, {STAGES} processes, "
+                        f"{MICROBATCHES} micro-batches)")
+    for column in ("configuration", "schedule", *(f"rank {r}" for r in range(STAGES)), "÷ torch's"):
+        table.add_column(column, justify="left" if column in ("configuration", "schedule") else "right")
+    with RankPool(STAGES) as pool:
+        for schedule in ("1f1b", "gpipe"):
+            counting = (False, False, False, True)  # run_smpart's halves, reference, framed, count
+            theirs = [r["bytecodes"] for r in pool.run(run_torch, schedule, warmup, 0, True)]
+            ours = [r["bytecodes"] for r in pool.run(run_smpart, schedule, warmup, 0, *counting)]
+            ratio = sum(ours) / sum(theirs)
+            table.add_row("torch procs", schedule, *(f"{n:,}" for n in theirs), "1.00")
+            table.add_row("smpart procs", schedule, *(f"{n:,}" for n in ours), f"{ratio:.2f}")
+    Console().print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -239,11 +266,17 @@ def main() -> None:
     parser.add_argument("--no-interleaved", dest="interleaved", action="store_false",
                         help="skip virtual stages (smpart's virtual_stages=2, torch's "
                              "ScheduleInterleaved1F1B)")
+    parser.add_argument("--bytecodes", action="store_true",
+                        help="count the Python bytecodes of one step on each rank's main thread, smpart's "
+                             "programs beside torch's schedules, instead of timing")
     parser.add_argument("--anatomy", action="store_true",
                         help="also print smpart's stages' busy time beside their work alone, and the "
                              "hand-offs between them, from the steps' timelines")
     a = parser.parse_args()
     torch.set_num_threads(1)
+    if a.bytecodes:
+        print_bytecodes(a.warmup)
+        return
     proc_configs = [("smpart procs", "1f1b"), ("torch procs", "1f1b"), ("smpart procs", "gpipe"),
                     ("torch procs", "gpipe"), ("smpart ref", "1f1b"), ("smpart ref", "gpipe"),
                     ("smpart framed", "1f1b"), ("smpart framed", "gpipe")]

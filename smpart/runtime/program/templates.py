@@ -188,16 +188,7 @@ def _arguments(args: tuple, kwargs: dict) -> tuple:
     every module call of a step program asks, on the rank running it and on the others."""
     if kwargs:
         return signature((args, kwargs))
-    out: list[Any] = [type(args).__name__]
-    for v in args:
-        kind = type(v)
-        if kind is Placeholder:
-            out.append(v._sig)
-        elif kind in _PLAIN_TENSORS:
-            out.append(("T", tuple(v.shape), v.dtype, v.requires_grad))
-        else:
-            out.append(signature(v))
-    return ("tuple", tuple(out), _NO_KEYWORDS)
+    return ("tuple", _sequence(args), _NO_KEYWORDS)
 
 
 _NO_KEYWORDS = ("dict",)
@@ -206,22 +197,27 @@ _NO_KEYWORDS = ("dict",)
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
+def _sequence(value: tuple | list) -> tuple:
+    """`signature` of a tuple or list: its tensors and placeholders read in this loop."""
+    out: list[Any] = [type(value).__name__]
+    for v in value:
+        kind = type(v)
+        if kind is Placeholder:
+            out.append(v._sig)
+        elif kind in _PLAIN_TENSORS:
+            out.append(("T", tuple(v.shape), v.dtype, v.requires_grad))
+        else:
+            out.append(signature(v))
+    return tuple(out)
+
+
 def signature(value: Any) -> tuple:
     """A call's arguments as a hashable key: tensors by shape, dtype and requires_grad, plain values
     as they are, any other object by its type. A sequence's tensors and placeholders are read in
     its loop: every call of a step program asks, mostly of a few tensors."""
     kind = type(value)
     if kind is tuple or kind is list:
-        out = [kind.__name__]
-        for v in value:
-            k = type(v)
-            if k is Placeholder:
-                out.append(v._sig)
-            elif k in _PLAIN_TENSORS:
-                out.append(("T", tuple(v.shape), v.dtype, v.requires_grad))
-            else:
-                out.append(signature(v))
-        return tuple(out)
+        return _sequence(value)
     if kind is dict:
         return ("dict", *[(k, signature(v)) for k, v in value.items()])
     if kind is Placeholder:
